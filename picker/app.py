@@ -1,0 +1,237 @@
+"""Wiring: config -> state, plugins, servers and background tasks; graceful stop.
+
+```
+PickerApp.start()
+  ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
+  ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
+  ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
+  └── config watcher task (when loaded from a file): reload on change, keep the old on error
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from picker.config import PickerConfig, load_config
+from picker.director import Director
+from picker.errors import ConfigError
+from picker.handlers.extproc import ExternalProcessor
+from picker.metrics import PickerMetrics
+from picker.scheduling.registry import Registry, builtin_registry
+from picker.scheduling.scheduler import Scheduler
+from picker.scheduling.types import BuildContext
+from picker.sources.scraper import MetricsScraper
+from picker.state.endpoints import EndpointStore
+from picker.wire import HEALTH_SERVICES
+from scorers.prefix_cache import PrefixCacheScorer
+
+log = logging.getLogger(__name__)
+
+
+class PickerApp:
+    """The kv-picker service.
+
+    Args:
+        config: validated config.
+        registry: plugin registry (built-ins by default).
+        config_path: when set, the file is watched and reloaded on change.
+        clock: monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        config: PickerConfig,
+        registry: Registry | None = None,
+        config_path: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reload_interval_s: float = 1.0,
+    ) -> None:
+        self.registry = registry or builtin_registry()
+        self.config_path = Path(config_path) if config_path else None
+        self.reload_interval_s = reload_interval_s
+        self.metrics = PickerMetrics()
+        self.store = EndpointStore(clock)
+        self.store.set_endpoints(config.endpoints)
+        seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
+        self.ctx = BuildContext(
+            store=self.store,
+            rng=random.Random(seed),
+            clock=clock,
+            metrics_staleness_s=config.metrics.staleness_s,
+        )
+        scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
+        self.director = Director(config, self.store, scheduler, self.ctx.rng, self.metrics)
+        self.scraper = MetricsScraper(
+            self.store,
+            self.metrics,
+            config.metrics.scrape_interval_s,
+            config.metrics.timeout_s,
+            config.metrics.path,
+        )
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._grpc_server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._http_runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._config_mtime_ns = self._mtime_ns()
+
+    @property
+    def config(self) -> PickerConfig:
+        return self.director.config
+
+    async def start(self) -> None:
+        config = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", config.server.max_body_bytes + (1 << 20)),
+                ("grpc.max_send_message_length", config.server.max_body_bytes + (1 << 20)),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        address = f"{config.server.host}:{config.server.grpc_port}"
+        if config.server.tls is not None:
+            key = Path(config.server.tls.key_path).read_bytes()
+            cert = Path(config.server.tls.cert_path).read_bytes()
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            self.grpc_port = server.add_secure_port(address, credentials)
+        else:
+            self.grpc_port = server.add_insecure_port(address)
+        await server.start()
+        self._grpc_server = server
+        for service in HEALTH_SERVICES:
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/healthz", self._healthz_handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.server.host, config.server.metrics_port)
+        await site.start()
+        self._http_runner = runner
+        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else config.server.metrics_port
+
+        self._tasks.append(asyncio.create_task(self.scraper.run(), name="metrics-scraper"))
+        if self.config_path is not None:
+            self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
+        log.info(
+            "kv-picker serving ext_proc on %s:%d (%s), metrics on :%d, %d endpoints",
+            config.server.host, self.grpc_port,
+            "TLS" if config.server.tls else "plaintext", self.metrics_port, len(self.store),
+        )
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+
+    async def wait_ready(self, timeout_s: float = 10.0, min_ready: int = 1) -> None:
+        """Wait until at least ``min_ready`` endpoints answered a scrape."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.store.ready_endpoints()) < min_ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {min_ready} endpoints ready after {timeout_s}s")
+            await asyncio.sleep(0.02)
+
+    # -- reload -----------------------------------------------------------------------------
+
+    def _mtime_ns(self) -> int:
+        if self.config_path is None:
+            return 0
+        try:
+            return self.config_path.stat().st_mtime_ns
+        except OSError:
+            return 0
+
+    async def _watch_config(self) -> None:
+        while True:
+            await asyncio.sleep(self.reload_interval_s)
+            mtime = self._mtime_ns()
+            if mtime and mtime != self._config_mtime_ns:
+                self._config_mtime_ns = mtime
+                self.reload()
+
+    def reload(self) -> bool:
+        """Re-read the config file; on any error keep the running config."""
+        if self.config_path is None:
+            return False
+        try:
+            config = load_config(self.config_path, self.registry)
+            scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
+        except ConfigError as exc:
+            log.error("config reload rejected, keeping the running config: %s", exc)
+            self.metrics.config_reloads.labels("rejected").inc()
+            return False
+        if config.server != self.config.server:
+            log.warning("server settings changed in %s: they take effect on restart",
+                        self.config_path)
+        if config.metrics != self.config.metrics:
+            self.scraper.interval_s = config.metrics.scrape_interval_s
+            self.scraper.timeout_s = config.metrics.timeout_s
+            self.scraper.path = config.metrics.path
+            self.ctx.metrics_staleness_s = config.metrics.staleness_s
+        self.store.set_endpoints(config.endpoints)
+        self.director.swap(config, scheduler)
+        self.metrics.config_reloads.labels("applied").inc()
+        log.info("config reloaded from %s", self.config_path)
+        return True
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        for plugin in self.director.scheduler.plugins.values():
+            if isinstance(plugin, PrefixCacheScorer):
+                index = plugin.index
+                self.metrics.prefix_index_keys.set(len(index))
+                if index.queried_blocks:
+                    self.metrics.prefix_index_hit_ratio.set(index.hit_blocks / index.queried_blocks)
+        return web.Response(body=self.metrics.exposition(),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _healthz_handler(self, request: web.Request) -> web.Response:
+        ready = len(self.store.ready_endpoints())
+        return web.json_response({"endpoints": len(self.store), "ready": ready})
+
+
+async def serve(config_path: str | None, config: PickerConfig) -> None:
+    """Run until SIGINT/SIGTERM."""
+    import signal
+
+    app = PickerApp(config, config_path=config_path)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await app.stop()

@@ -1,0 +1,183 @@
+"""Command line: ``kv-picker serve | demo | sim-endpoint | explain | bench``.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or invalid config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from picker.errors import ConfigError, PickerError
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _load(path: str | None):  # type: ignore[no-untyped-def]
+    from picker.config import PickerConfig, load_config
+    from picker.scheduling.registry import builtin_registry
+
+    registry = builtin_registry()
+    return (load_config(path, registry) if path else PickerConfig()), registry
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from picker.app import serve
+
+    config, _ = _load(args.config)
+    asyncio.run(serve(args.config, config))
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Per-endpoint, per-scorer scores for one request body, without sending it."""
+    import random
+    import time
+
+    from picker.director import Director
+    from picker.metrics import PickerMetrics
+    from picker.scheduling.scheduler import Scheduler
+    from picker.scheduling.types import BuildContext
+    from picker.sources.scraper import MetricsScraper
+    from picker.state.endpoints import EndpointStore
+
+    config, registry = _load(args.config)
+    try:
+        body = Path(args.request).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{args.request}: cannot read request: {exc.strerror}") from exc
+    store = EndpointStore(time.monotonic)
+    store.set_endpoints(config.endpoints)
+    metrics = PickerMetrics()
+    if args.scrape:
+        scraper = MetricsScraper(store, metrics, 1.0, config.metrics.timeout_s,
+                                 config.metrics.path)
+
+        async def scrape() -> None:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                scraper._session = session
+                await scraper.scrape_once()
+
+        asyncio.run(scrape())
+    else:
+        for endpoint in store.all():
+            store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
+    rng = random.Random(config.seed or 0)
+    ctx = BuildContext(store, rng, time.monotonic, config.metrics.staleness_s)
+    director = Director(config, store, Scheduler(config, registry, ctx, None), rng, metrics)
+    headers = {":path": args.path, ":method": "POST"}
+    request = director.parse(body, headers)
+    result = director.schedule(request, None, explain=True)
+    report = {"request": {"model": request.model, "kind": request.kind,
+                          "prompt_chars": len(request.prompt)},
+              "primary_profile": result.primary_profile, "profiles": {}}
+    for name, profile_result in result.profile_results.items():
+        rows = []
+        for i, endpoint in enumerate(profile_result.candidates):
+            scores = {scorer: values[i] for scorer, values in
+                      (profile_result.breakdown or {}).items()}
+            rows.append({"endpoint": endpoint.address, "total": profile_result.totals[i],
+                         "scores": scores})
+        rows.sort(key=lambda row: -float(row["total"]))  # type: ignore[arg-type]
+        report["profiles"][name] = {  # type: ignore[index]
+            "picked": [e.address for e in profile_result.targets], "candidates": rows}
+    print(json.dumps(report, indent=2))
+    return EXIT_OK
+
+
+def cmd_sim_endpoint(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from benchmarks.sim.server import main as sim_main
+
+    return sim_main(list(rest))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from benchmarks.demo import run_demo
+
+    return run_demo(requests=args.requests, concurrency=args.concurrency, seed=args.seed)
+
+
+def cmd_bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from benchmarks.__main__ import main as bench_main
+
+    return bench_main(list(rest))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kv-picker",
+        description="KV-cache-aware endpoint picker for LLM inference (Envoy ext_proc).",
+    )
+    parser.add_argument("--log-level", default="info",
+                        help="debug, info, warning or error (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the ext_proc service")
+    serve.add_argument("--config", help="EndpointPickerConfig YAML (reloaded when it changes); "
+                       "without it, the built-in default with no endpoints")
+
+    demo = sub.add_parser("demo", help="local stack: Envoy + kv-picker + 4 simulated endpoints, "
+                          "replay a shared-prefix workload under two profiles, print a table")
+    demo.add_argument("--requests", type=int, default=160, help="requests per profile (160)")
+    demo.add_argument("--concurrency", type=int, default=8, help="client connections (8)")
+    demo.add_argument("--seed", type=int, default=7, help="workload seed (7)")
+
+    explain = sub.add_parser("explain", help="show every scorer's score for one request")
+    explain.add_argument("--config", required=True, help="EndpointPickerConfig YAML")
+    explain.add_argument("--request", required=True, help="JSON request body file")
+    explain.add_argument("--path", default="/v1/completions", help="request path")
+    explain.add_argument("--scrape", action="store_true",
+                         help="scrape the endpoints' /metrics first (default: all idle)")
+
+    sub.add_parser("sim-endpoint", add_help=False,
+                   help="run one simulated vLLM endpoint (see sim-endpoint --help)")
+    sub.add_parser("bench", add_help=False, help="benchmarks (see bench --help)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # sim-endpoint and bench own their flags: hand the rest over untouched.
+    for passthrough in ("sim-endpoint", "bench"):
+        if passthrough in argv:
+            position = argv.index(passthrough)
+            args = parser.parse_args(argv[: position + 1])
+            _setup_logging(args.log_level)
+            rest = argv[position + 1:]
+            return (cmd_sim_endpoint if passthrough == "sim-endpoint" else cmd_bench)(args, rest)
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "explain":
+            return cmd_explain(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+    except ConfigError as exc:
+        print(f"kv-picker: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PickerError as exc:
+        print(f"kv-picker: {exc.status} {exc.reason}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE

@@ -1,0 +1,462 @@
+"""Configuration: the external YAML schema -> a validated, frozen internal config.
+
+The file follows the EndpointPickerConfig schema of the Gateway API Inference Extension and
+llm-d (``plugins`` and ``schedulingProfiles``), so their configs port over, plus kv-picker's own
+sections:
+
+```yaml
+apiVersion: kv-picker.io/v1alpha1        # or llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608,
+         tls: {certPath: ..., keyPath: ...}}
+endpoints:                               # static discovery
+- address: 10.0.0.7:8000
+  labels: {llm-d.ai/role: both}
+models:                                  # optional: when set, other models get 404
+- name: meta-llama/Llama-3.1-8B-Instruct
+  loraAdapters: [sql-lora]
+metrics: {scrapeInterval: 100ms, stalenessThreshold: 2s, timeout: 1s, path: /metrics}
+seed: 0                                  # random tie-breaks are repeatable
+plugins: [{type: ..., name: ..., parameters: {...}}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: ..., weight: 2}]}]
+```
+
+Loading is two-phase: :func:`parse_config` checks everything (schema, plugin types, strict
+parameters, references) and returns a frozen :class:`PickerConfig`, naming the file, plugin and
+field in every error; building plugins happens later and cannot fail on input.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.errors import ConfigError
+from picker.scheduling.registry import Registry
+from picker.state.endpoints import EndpointSpec, split_address
+
+log = logging.getLogger(__name__)
+
+API_VERSIONS = (
+    "kv-picker.io/v1alpha1",
+    "llm-d.ai/v1alpha1",
+    "inference.networking.x-k8s.io/v1alpha1",
+)
+KIND = "EndpointPickerConfig"
+
+# Sections of the upstream schema that this picker accepts and does not act on.
+IGNORED_SECTIONS = (
+    "featureGates",
+    "dataLayer",
+    "flowControl",
+    "requestHandler",
+    "saturationDetector",
+    "parser",
+)
+_OWN_SECTIONS = (
+    "apiVersion",
+    "kind",
+    "server",
+    "endpoints",
+    "models",
+    "metrics",
+    "seed",
+    "plugins",
+    "schedulingProfiles",
+)
+
+# The built-in default: the GIE default weights (prefix 3, queue 2, kv 2) plus the picker's own
+# in-flight count. Scraped queue depth lags by a scrape interval; without a signal that moves on
+# every pick, a burst whose requests share only a first block (every request of the Mooncake
+# conversation trace does) would all land on whichever endpoint saw that block first.
+DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
+    {"type": "prefix-cache-scorer"},
+    {"type": "queue-scorer"},
+    {"type": "kv-cache-utilization-scorer"},
+    {"type": "active-request-scorer"},
+    {"type": "max-score-picker"},
+)
+DEFAULT_PROFILE: Mapping[str, Any] = {
+    "name": "default",
+    "plugins": [
+        {"pluginRef": "prefix-cache-scorer", "weight": 3},
+        {"pluginRef": "queue-scorer", "weight": 2},
+        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": "active-request-scorer", "weight": 2},
+        {"pluginRef": "max-score-picker"},
+    ],
+}
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert_path: str
+    key_path: str
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    metrics_port: int = 9090
+    max_body_bytes: int = 8 * 1024 * 1024
+    tls: TLSConfig | None = None
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    scrape_interval_s: float = 0.1
+    staleness_s: float = 2.0
+    timeout_s: float = 1.0
+    path: str = "/metrics"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    lora_adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    name: str
+    type: str
+    params: Any
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    plugin_ref: str
+    weight: float
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    name: str
+    entries: tuple[ProfileEntry, ...]
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    """Validated configuration; every field has passed its checks."""
+
+    source: str = "<built-in default>"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    endpoints: tuple[EndpointSpec, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    seed: int | None = None
+    plugins: tuple[PluginConfig, ...] = ()
+    profiles: tuple[ProfileConfig, ...] = ()
+    handler: str = ""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+
+
+def parse_duration_s(value: Any, where: str) -> float:
+    """Seconds from a number (seconds) or a string such as ``100ms``, ``2s``, ``1m``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[
+            match.group(2)
+        ]
+    else:
+        raise ConfigError(f"{where}: expected a duration such as 100ms, 2s or 1.5, got {value!r}")
+    if seconds <= 0:
+        raise ConfigError(f"{where}: must be positive, got {value!r}")
+    return seconds
+
+
+class _Reader:
+    """Typed access to one mapping of the YAML document, naming the path in errors."""
+
+    def __init__(self, data: Any, where: str, known: tuple[str, ...]) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        self.data = data
+        self.where = where
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        value = self.data.get(key, default)
+        if value is default:
+            return value
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise ConfigError(f"{self.where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+        if not isinstance(value, kind):
+            raise ConfigError(f"{self.where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+        return value
+
+    def port(self, key: str, default: int) -> int:
+        value: int = self.get(key, int, default)
+        if not 0 <= value < 65536:
+            raise ConfigError(f"{self.where}.{key}: port must be 0..65535, got {value}")
+        return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+             list: "a list", dict: "a mapping", Mapping: "a mapping"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def load_config(path: str | Path, registry: Registry) -> PickerConfig:
+    """Read and validate a config file.
+
+    Raises:
+        ConfigError: naming the file and the offending plugin or field.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    return parse_config_text(text, registry, source=str(path))
+
+
+def parse_config_text(text: str, registry: Registry, source: str = "<text>") -> PickerConfig:
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if document is None:
+        document = {}
+    try:
+        return parse_config(document, registry, source)
+    except ConfigError as exc:
+        message = str(exc)
+        if message.startswith(source):
+            raise
+        raise ConfigError(f"{source}: {message}") from exc
+
+
+def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> PickerConfig:
+    """Phase one: validate a decoded document completely."""
+    top = _Reader(document, "config", _OWN_SECTIONS + IGNORED_SECTIONS)
+    api_version = top.get("apiVersion", str, None)
+    if api_version is not None and api_version not in API_VERSIONS:
+        raise ConfigError(
+            f"apiVersion: {api_version!r} is not supported; use one of {', '.join(API_VERSIONS)}"
+        )
+    kind = top.get("kind", str, None)
+    if kind is not None and kind != KIND:
+        raise ConfigError(f"kind: expected {KIND}, got {kind!r}")
+    for section in IGNORED_SECTIONS:
+        if section in document:
+            log.warning("%s: section %r is accepted for compatibility and ignored", source, section)
+
+    seed = top.get("seed", int, None)
+    raw_plugins = top.get("plugins", list, None)
+    raw_profiles = top.get("schedulingProfiles", list, None)
+    if raw_plugins is None:
+        raw_plugins = list(DEFAULT_PLUGINS)
+        if raw_profiles is None:
+            raw_profiles = [DEFAULT_PROFILE]
+    plugins = _parse_plugins(raw_plugins, registry)
+    profiles, handler = _parse_profiles(raw_profiles, plugins, registry)
+    return PickerConfig(
+        source=source,
+        server=_parse_server(top.get("server", Mapping, {})),
+        endpoints=_parse_endpoints(top.get("endpoints", list, [])),
+        models=_parse_models(top.get("models", list, [])),
+        metrics=_parse_metrics(top.get("metrics", Mapping, {})),
+        seed=seed,
+        plugins=plugins,
+        profiles=profiles,
+        handler=handler,
+    )
+
+
+def _parse_server(raw: Any) -> ServerConfig:
+    reader = _Reader(raw, "server", ("host", "grpcPort", "metricsPort", "maxBodyBytes", "tls"))
+    defaults = ServerConfig()
+    tls = None
+    raw_tls = reader.get("tls", Mapping, None)
+    if raw_tls is not None:
+        tls_reader = _Reader(raw_tls, "server.tls", ("certPath", "keyPath"))
+        cert_path = tls_reader.get("certPath", str, None)
+        key_path = tls_reader.get("keyPath", str, None)
+        if not cert_path or not key_path:
+            raise ConfigError("server.tls: both certPath and keyPath are required")
+        tls = TLSConfig(cert_path, key_path)
+    max_body_bytes = reader.get("maxBodyBytes", int, defaults.max_body_bytes)
+    if max_body_bytes <= 0:
+        raise ConfigError(f"server.maxBodyBytes: must be positive, got {max_body_bytes}")
+    return ServerConfig(
+        host=reader.get("host", str, defaults.host),
+        grpc_port=reader.port("grpcPort", defaults.grpc_port),
+        metrics_port=reader.port("metricsPort", defaults.metrics_port),
+        max_body_bytes=max_body_bytes,
+        tls=tls,
+    )
+
+
+def _parse_endpoints(raw: list[Any]) -> tuple[EndpointSpec, ...]:
+    specs = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"endpoints[{i}]"
+        reader = _Reader(item, where, ("address", "labels"))
+        address = reader.get("address", str, None)
+        if not address:
+            raise ConfigError(f"{where}.address: required (ip:port)")
+        try:
+            split_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.address: {exc}") from None
+        if address in seen:
+            raise ConfigError(f"{where}.address: {address} is listed twice")
+        seen.add(address)
+        labels = reader.get("labels", Mapping, {})
+        for key, value in labels.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ConfigError(f"{where}.labels: keys and values must be strings ({key!r})")
+        specs.append(EndpointSpec(address, dict(labels)))
+    return tuple(specs)
+
+
+def _parse_models(raw: list[Any]) -> tuple[ModelConfig, ...]:
+    models = []
+    for i, item in enumerate(raw):
+        where = f"models[{i}]"
+        if isinstance(item, str):
+            models.append(ModelConfig(item))
+            continue
+        reader = _Reader(item, where, ("name", "loraAdapters"))
+        name = reader.get("name", str, None)
+        if not name:
+            raise ConfigError(f"{where}.name: required")
+        adapters = reader.get("loraAdapters", list, [])
+        if not all(isinstance(a, str) and a for a in adapters):
+            raise ConfigError(f"{where}.loraAdapters: must be a list of names")
+        models.append(ModelConfig(name, tuple(adapters)))
+    return tuple(models)
+
+
+def _parse_metrics(raw: Any) -> MetricsConfig:
+    reader = _Reader(raw, "metrics", ("scrapeInterval", "stalenessThreshold", "timeout", "path"))
+    defaults = MetricsConfig()
+
+    def duration(key: str, default: float) -> float:
+        value = reader.data.get(key)
+        return default if value is None else parse_duration_s(value, f"metrics.{key}")
+
+    path = reader.get("path", str, defaults.path)
+    if not path.startswith("/"):
+        raise ConfigError(f"metrics.path: must start with '/', got {path!r}")
+    return MetricsConfig(
+        scrape_interval_s=duration("scrapeInterval", defaults.scrape_interval_s),
+        staleness_s=duration("stalenessThreshold", defaults.staleness_s),
+        timeout_s=duration("timeout", defaults.timeout_s),
+        path=path,
+    )
+
+
+def _parse_plugins(raw: list[Any], registry: Registry) -> tuple[PluginConfig, ...]:
+    plugins: list[PluginConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        reader = _Reader(item, f"plugins[{i}]", ("name", "type", "parameters"))
+        type_name = reader.get("type", str, None)
+        if not type_name:
+            raise ConfigError(f"plugins[{i}].type: required")
+        name = reader.get("name", str, None) or type_name
+        where = f"plugins[{i}] ({name})"
+        try:
+            registry.get(type_name)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if name in names:
+            raise ConfigError(f"{where}: plugin name {name!r} is used twice")
+        names.add(name)
+        params = registry.parse_params(type_name, name, item.get("parameters"))
+        plugins.append(PluginConfig(name, type_name, params))
+    return tuple(plugins)
+
+
+def plugin_kind(cls: type) -> str:
+    """``filter``, ``scorer``, ``picker`` or ``handler``, from the methods a class has."""
+    for method, kind in (("schedule", "handler"), ("pick", "picker"), ("score", "scorer"),
+                         ("filter", "filter")):
+        if callable(getattr(cls, method, None)):
+            return kind
+    return "other"
+
+
+def _parse_profiles(
+    raw: list[Any] | None, plugins: tuple[PluginConfig, ...], registry: Registry
+) -> tuple[tuple[ProfileConfig, ...], str]:
+    kinds = {p.name: plugin_kind(registry.get(p.type)) for p in plugins}
+    handlers = [name for name, kind in kinds.items() if kind == "handler"]
+    if len(handlers) > 1:
+        raise ConfigError(f"plugins: only one profile handler allowed, got {', '.join(handlers)}")
+    if raw is None:
+        # No profiles: one `default` profile with every filter, scorer and picker declared.
+        raw = [{
+            "name": "default",
+            "plugins": [{"pluginRef": p.name} for p in plugins if kinds[p.name] != "handler"],
+        }]
+    if not raw:
+        raise ConfigError("schedulingProfiles: at least one profile is required")
+    profiles = []
+    profile_names: set[str] = set()
+    default_picker = next((n for n, k in kinds.items() if k == "picker"), None)
+    for i, item in enumerate(raw):
+        reader = _Reader(item, f"schedulingProfiles[{i}]", ("name", "plugins"))
+        name = reader.get("name", str, None)
+        if not name:
+            raise ConfigError(f"schedulingProfiles[{i}].name: required")
+        if name in profile_names:
+            raise ConfigError(f"schedulingProfiles[{i}].name: profile {name!r} is defined twice")
+        profile_names.add(name)
+        entries: list[ProfileEntry] = []
+        pickers = 0
+        for j, ref in enumerate(reader.get("plugins", list, [])):
+            where = f"schedulingProfiles[{i}] ({name}).plugins[{j}]"
+            ref_reader = _Reader(ref, where, ("pluginRef", "weight"))
+            plugin_ref = ref_reader.get("pluginRef", str, None)
+            if not plugin_ref:
+                raise ConfigError(f"{where}.pluginRef: required")
+            if plugin_ref not in kinds:
+                raise ConfigError(
+                    f"{where}.pluginRef: no plugin named {plugin_ref!r}; "
+                    f"declared: {', '.join(kinds) or 'none'}"
+                )
+            kind = kinds[plugin_ref]
+            if kind == "handler":
+                raise ConfigError(f"{where}: {plugin_ref!r} is a profile handler, not a profile step")
+            weight = ref_reader.get("weight", (int, float), 1.0)
+            if weight < 0:
+                raise ConfigError(f"{where}.weight: must be >= 0, got {weight}")
+            if kind != "scorer" and "weight" in ref:
+                log.warning("%s: weight on %s %r has no effect", where, kind, plugin_ref)
+            pickers += kind == "picker"
+            entries.append(ProfileEntry(plugin_ref, float(weight)))
+        if pickers > 1:
+            raise ConfigError(f"schedulingProfiles[{i}] ({name}): more than one picker")
+        if pickers == 0:
+            if default_picker is None:
+                entries.append(ProfileEntry("max-score-picker", 1.0))
+            else:
+                entries.append(ProfileEntry(default_picker, 1.0))
+        profiles.append(ProfileConfig(name, tuple(entries)))
+    handler = handlers[0] if handlers else ""
+    if not handler and len(profiles) > 1 and "default" not in profile_names:
+        raise ConfigError(
+            "schedulingProfiles: several profiles need a profile handler plugin "
+            "(or a profile named 'default' for single-profile-handler)"
+        )
+    return tuple(profiles), handler

@@ -1,0 +1,125 @@
+"""The director: from a complete request to a pick, and the in-flight accounting around it.
+
+It owns no protocol: ``handlers/`` speaks ext_proc and calls these methods; the benchmark
+harness and ``kv-picker explain`` call them too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from picker.config import PickerConfig
+from picker.errors import InternalError, NoEndpointsError, PickerError
+from picker.handlers.body import parse_request
+from picker.metrics import PickerMetrics
+from picker.scheduling.scheduler import Scheduler
+from picker.scheduling.types import LLMRequest, SchedulingResult
+from picker.state.endpoints import Endpoint, EndpointStore
+from picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
+
+
+class Director:
+    """Candidates, scheduling and in-flight accounting.
+
+    Args:
+        config: the validated config (models, body limit).
+        store: endpoint state.
+        scheduler: built plugins; replaced whole by :meth:`swap` on reload.
+        rng: seeded generator for body-less requests.
+        metrics: exported metrics.
+    """
+
+    def __init__(
+        self,
+        config: PickerConfig,
+        store: EndpointStore,
+        scheduler: Scheduler,
+        rng: random.Random,
+        metrics: PickerMetrics,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.scheduler = scheduler
+        self.rng = rng
+        self.metrics = metrics
+
+    def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
+        """Adopt a new config; requests already scheduled keep their picks."""
+        self.config = config
+        self.scheduler = scheduler
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config.server.max_body_bytes
+
+    def candidates(self, metadata: Mapping[str, Any] | None) -> list[Endpoint]:
+        """Ready endpoints, narrowed to the gateway's subset hint when one is given.
+
+        Raises:
+            NoEndpointsError: no ready endpoint, or none in the subset (503).
+        """
+        ready = self.store.ready_endpoints()
+        subset = _subset_hint(metadata)
+        if subset is not None:
+            ready = [e for e in ready if e.address in subset or e.host in subset]
+            if not ready:
+                raise NoEndpointsError("no ready endpoint in the gateway's endpoint subset")
+        if not ready:
+            raise NoEndpointsError("no ready endpoint in the pool")
+        return list(ready)
+
+    def pick_bodyless(self, metadata: Mapping[str, Any] | None) -> Endpoint:
+        """A request without a body (GET and the like) goes to a random ready endpoint."""
+        candidates = self.candidates(metadata)
+        return candidates[self.rng.randrange(len(candidates))]
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> LLMRequest:
+        return parse_request(body, headers, self.config.models)
+
+    def schedule(
+        self, request: LLMRequest, metadata: Mapping[str, Any] | None, explain: bool = False
+    ) -> SchedulingResult:
+        """Run the scheduler for a parsed request.
+
+        Raises:
+            PickerError: no endpoints (503), all filtered out (429), or an internal error.
+        """
+        candidates = self.candidates(metadata)
+        try:
+            result = self.scheduler.schedule(request, candidates, explain)
+        except PickerError:
+            raise
+        except Exception as exc:  # a plugin bug must not take the stream down
+            raise InternalError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
+        if not result.primary.targets:
+            raise InternalError("the picker returned no endpoint")
+        return result
+
+    def begin(self, endpoint: Endpoint) -> None:
+        self.store.in_flight[endpoint.id] += 1
+
+    def finish(self, endpoint: Endpoint) -> None:
+        # The endpoint may have left the pool (and its id been reused) meanwhile.
+        if self.store.get(endpoint.id) is endpoint and self.store.in_flight[endpoint.id] > 0:
+            self.store.in_flight[endpoint.id] -= 1
+
+
+def _subset_hint(metadata: Mapping[str, Any] | None) -> frozenset[str] | None:
+    """The ``envoy.lb.subset_hint`` list, or None when the gateway sent none.
+
+    Entries are ``ip:port`` (matched exactly) or a bare IP (matched on the host). A comma
+    list in one string is accepted too.
+    """
+    if not metadata:
+        return None
+    namespace = metadata.get(SUBSET_NAMESPACE)
+    if not isinstance(namespace, Mapping) or SUBSET_KEY not in namespace:
+        return None
+    value = namespace[SUBSET_KEY]
+    items = value.split(",") if isinstance(value, str) else value
+    subset: set[str] = set()
+    if isinstance(items, list | tuple):
+        subset.update(item.strip() for item in items if isinstance(item, str) and item.strip())
+    return frozenset(subset)

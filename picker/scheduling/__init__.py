@@ -1,0 +1,1 @@
+"""Scheduling: profiles (filters -> weighted scorers -> picker), profile handlers, registry."""

@@ -1,0 +1,191 @@
+"""The scheduler: builds plugins from a validated config and runs profiles.
+
+```
+request, candidates
+   │ profile handler decides which profiles run (single, P/D, ...)
+   ▼
+ profile: filters ──> scorers (clamp [0,1] × weight, summed) ──> picker ──> ProfileResult
+   │
+   ▼
+ post-pick hooks (e.g. record blocks sent, for the approximate prefix index)
+```
+
+Everything here is synchronous: there is no ``await`` between a parsed request and its pick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from picker.config import PickerConfig
+from picker.errors import ConfigError, SaturatedError
+from picker.metrics import PickerMetrics
+from picker.scheduling.registry import Registry
+from picker.scheduling.types import (
+    BuildContext,
+    Filter,
+    LLMRequest,
+    Picker,
+    PostPick,
+    ProfileHandler,
+    ProfileResult,
+    SchedulingResult,
+    Scorer,
+)
+from picker.state.endpoints import Endpoint
+
+_perf = time.perf_counter
+
+
+@dataclass(slots=True)
+class _Step:
+    plugin: Any
+    weight: float
+    type_name: str
+
+
+class Profile:
+    """Filters, weighted scorers and one picker, run in that order."""
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[_Step],
+        scorers: Sequence[_Step],
+        picker: _Step,
+        metrics: PickerMetrics | None,
+    ) -> None:
+        self.name = name
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        self._timers: dict[str, Any] = {}
+        if metrics is not None:
+            for step in (*self.filters, *self.scorers, picker):
+                self._timers[step.plugin.name] = metrics.plugin_seconds.labels(
+                    name, step.plugin.name, step.type_name
+                )
+
+    def run(
+        self, request: LLMRequest, candidates: list[Endpoint], explain: bool = False
+    ) -> ProfileResult:
+        timers = self._timers
+        for step in self.filters:
+            start = _perf()
+            candidates = step.plugin.filter(request, candidates)
+            if timers:
+                timers[step.plugin.name].observe(_perf() - start)
+            if not candidates:
+                raise SaturatedError(
+                    f"no endpoints available for the request: filter {step.plugin.name!r} "
+                    f"of profile {self.name!r} removed every candidate"
+                )
+        count = len(candidates)
+        totals = [0.0] * count
+        scores = [0.0] * count
+        breakdown: dict[str, list[float]] | None = {} if explain else None
+        for step in self.scorers:
+            start = _perf()
+            step.plugin.score(request, candidates, scores)
+            weight = step.weight
+            for i in range(count):
+                score = scores[i]
+                if score > 1.0:
+                    score = 1.0
+                elif not score > 0.0:  # also maps NaN to 0
+                    score = 0.0
+                totals[i] += score * weight
+                if breakdown is None:
+                    scores[i] = 0.0
+                else:
+                    scores[i] = score
+            if breakdown is not None:
+                breakdown[step.plugin.name] = scores
+                scores = [0.0] * count
+            if timers:
+                timers[step.plugin.name].observe(_perf() - start)
+        start = _perf()
+        targets = self.picker.plugin.pick(request, candidates, totals)
+        if timers:
+            timers[self.picker.plugin.name].observe(_perf() - start)
+        return ProfileResult(targets, candidates, totals, breakdown)
+
+
+class Scheduler:
+    """Plugins built from one config; swapped as a whole on reload."""
+
+    def __init__(
+        self,
+        config: PickerConfig,
+        registry: Registry,
+        ctx: BuildContext,
+        metrics: PickerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self._metrics = metrics
+        plugins: dict[str, Any] = {}
+        types: dict[str, str] = {}
+        for plugin_config in config.plugins:
+            plugins[plugin_config.name] = registry.build(
+                plugin_config.type, plugin_config.name, plugin_config.params, ctx
+            )
+            types[plugin_config.name] = plugin_config.type
+
+        def implicit(type_name: str) -> Any:
+            # A step the config left implicit (max-score-picker, single-profile-handler).
+            if type_name not in plugins:
+                params = registry.parse_params(type_name, type_name, None)
+                plugins[type_name] = registry.build(type_name, type_name, params, ctx)
+                types[type_name] = type_name
+            return plugins[type_name]
+
+        self.profiles: dict[str, Profile] = {}
+        for profile_config in config.profiles:
+            filters: list[_Step] = []
+            scorers: list[_Step] = []
+            picker: _Step | None = None
+            for entry in profile_config.entries:
+                plugin = plugins.get(entry.plugin_ref) or implicit(entry.plugin_ref)
+                step = _Step(plugin, entry.weight, types[entry.plugin_ref])
+                if isinstance(plugin, Picker):
+                    picker = step
+                elif isinstance(plugin, Scorer):
+                    scorers.append(step)
+                elif isinstance(plugin, Filter):
+                    filters.append(step)
+            if picker is None:  # parse_config guarantees one; keep the invariant explicit
+                raise ConfigError(f"profile {profile_config.name!r} has no picker")
+            self.profiles[profile_config.name] = Profile(
+                profile_config.name, filters, scorers, picker, metrics
+            )
+        handler = plugins[config.handler] if config.handler else implicit("single-profile-handler")
+        if not isinstance(handler, ProfileHandler):
+            raise ConfigError(f"plugin {config.handler!r} is not a profile handler")
+        self.handler: ProfileHandler = handler
+        self._profile_names = tuple(self.profiles)
+        self._post_pick: list[PostPick] = [p for p in plugins.values() if isinstance(p, PostPick)]
+        self.plugins = plugins
+
+    def schedule(
+        self, request: LLMRequest, candidates: list[Endpoint], explain: bool = False
+    ) -> SchedulingResult:
+        """Pick endpoints for a request.
+
+        Raises:
+            SaturatedError: every candidate was filtered out.
+        """
+        start = _perf()
+        profiles = self.profiles
+
+        def run_profile(name: str, req: LLMRequest, cands: list[Endpoint]) -> ProfileResult:
+            return profiles[name].run(req, cands, explain)
+
+        result = self.handler.schedule(request, candidates, self._profile_names, run_profile)
+        for hook in self._post_pick:
+            hook.on_pick(request, result)
+        if self._metrics is not None:
+            self._metrics.scheduling_seconds.observe(_perf() - start)
+        return result

@@ -1,0 +1,181 @@
+"""Scrape each endpoint's Prometheus ``/metrics`` into the endpoint store.
+
+One loop scrapes every endpoint concurrently each interval. A failed scrape (refused, timed
+out, non-200, unparsable) marks the endpoint not ready until a scrape succeeds again. Scrapes
+older than the staleness bound make scorers treat the endpoint as fully loaded.
+
+Only the families the picker reads are parsed: lines are pre-selected by name and the
+selection goes through ``prometheus_client``'s text parser, so a large vLLM exposition (many
+histogram buckets) costs little.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.metrics import PickerMetrics
+from picker.state.endpoints import Endpoint, EndpointStore
+
+log = logging.getLogger(__name__)
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
+_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG)
+_WANTED_PREFIXES = tuple(
+    f"{prefix}{name}" for name in _WANTED for prefix in ("", "# TYPE ", "# HELP ")
+)
+
+
+@dataclass(slots=True)
+class EndpointSignals:
+    """What one scrape says about an endpoint."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size_tokens: int = 0
+    num_gpu_blocks: int = 0
+
+
+class MetricsParseError(ValueError):
+    pass
+
+
+def parse_vllm_metrics(text: str) -> EndpointSignals:
+    """Read the routing signals from a Prometheus text exposition.
+
+    Gauges with several series (one per engine) are summed, except KV usage which takes the
+    fullest engine.
+
+    Raises:
+        MetricsParseError: the text is not valid exposition format, or has no queue metric.
+    """
+    selected = "\n".join(
+        line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES)
+    )
+    signals = EndpointSignals()
+    seen_queue = False
+    kv_new: float | None = None
+    kv_old: float | None = None
+    try:
+        for family in text_string_to_metric_families(selected + "\n"):
+            for sample in family.samples:
+                name, value = sample.name, sample.value
+                if name == WAITING:
+                    signals.waiting += value
+                    seen_queue = True
+                elif name == RUNNING:
+                    signals.running += value
+                elif name == KV_USAGE:
+                    kv_new = value if kv_new is None else max(kv_new, value)
+                elif name == KV_USAGE_OLD:
+                    kv_old = value if kv_old is None else max(kv_old, value)
+                elif name == CACHE_CONFIG:
+                    labels = sample.labels
+                    block_size = labels.get("block_size", "")
+                    num_blocks = labels.get("num_gpu_blocks", "")
+                    if block_size.isdigit():
+                        signals.block_size_tokens = int(block_size)
+                    if num_blocks.isdigit():
+                        signals.num_gpu_blocks = int(num_blocks)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"invalid Prometheus text: {exc}") from exc
+    if not seen_queue:
+        raise MetricsParseError(f"no {WAITING} metric in the exposition")
+    kv = kv_new if kv_new is not None else kv_old
+    signals.kv_usage = min(max(kv or 0.0, 0.0), 1.0)
+    return signals
+
+
+class MetricsScraper:
+    """Background task that keeps the store's signals fresh.
+
+    Args:
+        store: endpoint store to update.
+        metrics: exported metrics (scrape errors, per-endpoint gauges).
+        interval_s: time between scrape rounds.
+        timeout_s: per-request timeout.
+        path: metrics path on each endpoint.
+    """
+
+    def __init__(
+        self,
+        store: EndpointStore,
+        metrics: PickerMetrics,
+        interval_s: float,
+        timeout_s: float,
+        path: str = "/metrics",
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.path = path
+        self.rounds = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        """Scrape forever (cancel the task to stop)."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            self._session = session
+            loop = asyncio.get_running_loop()
+            while True:
+                started = loop.time()
+                await self.scrape_once()
+                await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    async def scrape_once(self) -> None:
+        """One round over every endpoint."""
+        endpoints = self.store.all()
+        if endpoints:
+            await asyncio.gather(*(self._scrape(e) for e in endpoints))
+        self.rounds += 1
+        ready = len(self.store.ready_endpoints())
+        self.metrics.endpoints.labels("ready").set(ready)
+        self.metrics.endpoints.labels("not_ready").set(len(endpoints) - ready)
+
+    async def _scrape(self, endpoint: Endpoint) -> None:
+        session = self._session
+        if session is None:
+            raise RuntimeError("scraper is not running")
+        url = f"http://{endpoint.address}{self.path}"
+        try:
+            async with session.get(url) as response:
+                if response.status != 200:
+                    raise MetricsParseError(f"HTTP {response.status}")
+                text = await response.text()
+            signals = parse_vllm_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
+            if self.store.get(endpoint.id) is endpoint:
+                if self.store.ready[endpoint.id]:
+                    log.warning("endpoint %s not ready: %s", endpoint.address, exc or type(exc))
+                self.store.set_ready(endpoint.id, False)
+            self.metrics.scrape_errors.labels(endpoint.address).inc()
+            return
+        if self.store.get(endpoint.id) is not endpoint:
+            return  # removed while we were scraping
+        if not self.store.ready[endpoint.id]:
+            log.info("endpoint %s ready", endpoint.address)
+        self.store.update_metrics(
+            endpoint.id,
+            waiting=signals.waiting,
+            running=signals.running,
+            kv_usage=signals.kv_usage,
+            block_size_tokens=signals.block_size_tokens,
+            num_gpu_blocks=signals.num_gpu_blocks,
+        )
+        address = endpoint.address
+        self.metrics.endpoint_waiting.labels(address).set(signals.waiting)
+        self.metrics.endpoint_running.labels(address).set(signals.running)
+        self.metrics.endpoint_kv_usage.labels(address).set(signals.kv_usage)
+        self.metrics.endpoint_in_flight.labels(address).set(self.store.in_flight[endpoint.id])

@@ -1,0 +1,1 @@
+"""Picker state: endpoints with their scraped signals, and the KV block index."""

@@ -1,0 +1,204 @@
+"""Endpoint store: dense integer ids and per-endpoint signals in preallocated arrays.
+
+Why arrays: scorers read one signal for every candidate on every request, and the scraper
+writes them in place in the background. A list indexed by a dense id is the cheapest shape for
+both, and swapping nothing means the request path never sees a half-updated structure.
+
+```
+id:        0          1          2   ...   (ids of removed endpoints are reused)
+endpoints: Endpoint   Endpoint   None
+waiting:   3          0          0          vllm:num_requests_waiting
+running:   12         4          0          vllm:num_requests_running
+kv_usage:  0.41       0.07       0.0        vllm:kv_cache_usage_perc, [0,1]
+in_flight: 2          0          0          requests routed here and not yet finished
+scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
+ready:     True       True       False      last scrape succeeded
+```
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NewType
+
+EndpointId = NewType("EndpointId", int)
+
+ROLE_LABEL = "llm-d.ai/role"
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointSpec:
+    """A configured endpoint: where it is and what it is (labels)."""
+
+    address: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A model-server address known to the picker.
+
+    Attributes:
+        id: dense id, index into the store's arrays.
+        address: ``ip:port`` (``[v6]:port`` for IPv6), exactly as sent to Envoy.
+        host: the IP part, used for subset-hint matching.
+        port: the port.
+        labels: static labels (role, hardware class, ...).
+    """
+
+    id: EndpointId
+    address: str
+    host: str
+    port: int
+    labels: Mapping[str, str]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """Split ``ip:port`` or ``[v6]:port`` into host and port.
+
+    Raises:
+        ValueError: when the address is not an IP literal with a port in 1..65535.
+    """
+    if address.startswith("["):
+        host, sep, port_text = address[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"bad address {address!r}: expected [ipv6]:port")
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"bad address {address!r}: expected ip:port")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"bad address {address!r}: {host!r} is not an IP address") from None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad address {address!r}: port must be 1..65535")
+    return host, int(port_text)
+
+
+class EndpointStore:
+    """All endpoints and their signals; owned by the event loop thread.
+
+    Args:
+        clock: monotonic clock in seconds (injected for tests).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.endpoints: list[Endpoint | None] = []
+        self.by_address: dict[str, Endpoint] = {}
+        self.waiting: list[float] = []
+        self.running: list[float] = []
+        self.kv_usage: list[float] = []
+        self.in_flight: list[int] = []
+        self.scraped_s: list[float] = []
+        self.ready: list[bool] = []
+        self.block_size_tokens: list[int] = []
+        self.num_gpu_blocks: list[int] = []
+        self._free_ids: list[EndpointId] = []
+        self._on_removed: list[Callable[[EndpointId], None]] = []
+        # The ready list is rebuilt only when readiness or membership changes.
+        self._ready_cache: list[Endpoint] | None = None
+
+    def on_removed(self, callback: Callable[[EndpointId], None]) -> None:
+        """Register a callback run when an endpoint leaves (to drop its index entries)."""
+        self._on_removed.append(callback)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def set_endpoints(self, specs: Iterable[EndpointSpec]) -> None:
+        """Make the store hold exactly these endpoints, keeping ids of those that stay."""
+        wanted = {spec.address: spec for spec in specs}
+        for address in list(self.by_address):
+            if address not in wanted:
+                self._remove(self.by_address[address])
+        for address, spec in wanted.items():
+            existing = self.by_address.get(address)
+            if existing is not None:
+                existing.labels = dict(spec.labels)
+                continue
+            self._add(spec)
+        self._ready_cache = None
+
+    def _add(self, spec: EndpointSpec) -> Endpoint:
+        host, port = split_address(spec.address)
+        if self._free_ids:
+            endpoint_id = self._free_ids.pop()
+        else:
+            endpoint_id = EndpointId(len(self.endpoints))
+            self.endpoints.append(None)
+            for floats in (self.waiting, self.running, self.kv_usage, self.scraped_s):
+                floats.append(0.0)
+            self.in_flight.append(0)
+            self.ready.append(False)
+            self.block_size_tokens.append(0)
+            self.num_gpu_blocks.append(0)
+        endpoint = Endpoint(endpoint_id, spec.address, host, port, dict(spec.labels))
+        self.endpoints[endpoint_id] = endpoint
+        self.by_address[spec.address] = endpoint
+        self.waiting[endpoint_id] = 0.0
+        self.running[endpoint_id] = 0.0
+        self.kv_usage[endpoint_id] = 0.0
+        self.scraped_s[endpoint_id] = 0.0
+        self.in_flight[endpoint_id] = 0
+        self.ready[endpoint_id] = False
+        self.block_size_tokens[endpoint_id] = 0
+        self.num_gpu_blocks[endpoint_id] = 0
+        return endpoint
+
+    def _remove(self, endpoint: Endpoint) -> None:
+        del self.by_address[endpoint.address]
+        self.endpoints[endpoint.id] = None
+        self.ready[endpoint.id] = False
+        self._free_ids.append(endpoint.id)
+        for callback in self._on_removed:
+            callback(endpoint.id)
+
+    def all(self) -> list[Endpoint]:
+        return [e for e in self.endpoints if e is not None]
+
+    def ready_endpoints(self) -> list[Endpoint]:
+        """Endpoints whose last scrape succeeded. The list is shared: do not mutate it."""
+        cached = self._ready_cache
+        if cached is None:
+            cached = [e for e in self.endpoints if e is not None and self.ready[e.id]]
+            self._ready_cache = cached
+        return cached
+
+    def set_ready(self, endpoint_id: EndpointId, ready: bool) -> None:
+        if self.ready[endpoint_id] != ready:
+            self.ready[endpoint_id] = ready
+            self._ready_cache = None
+
+    def update_metrics(
+        self,
+        endpoint_id: EndpointId,
+        *,
+        waiting: float,
+        running: float,
+        kv_usage: float,
+        block_size_tokens: int = 0,
+        num_gpu_blocks: int = 0,
+    ) -> None:
+        """Record one good scrape; marks the endpoint ready."""
+        self.waiting[endpoint_id] = waiting
+        self.running[endpoint_id] = running
+        self.kv_usage[endpoint_id] = min(max(kv_usage, 0.0), 1.0)
+        if block_size_tokens:
+            self.block_size_tokens[endpoint_id] = block_size_tokens
+        if num_gpu_blocks:
+            self.num_gpu_blocks[endpoint_id] = num_gpu_blocks
+        self.scraped_s[endpoint_id] = self._clock()
+        self.set_ready(endpoint_id, True)
+
+    def is_fresh(self, endpoint_id: EndpointId, staleness_s: float, now_s: float) -> bool:
+        return now_s - self.scraped_s[endpoint_id] <= staleness_s
+
+    def get(self, endpoint_id: EndpointId) -> Endpoint | None:
+        return self.endpoints[endpoint_id]
+
+    def __len__(self) -> int:
+        return len(self.by_address)

@@ -1,0 +1,85 @@
+"""Shared test doubles: a manual clock, stores with given signals, requests, built schedulers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from picker.config import PickerConfig, parse_config
+from picker.director import Director
+from picker.metrics import PickerMetrics
+from picker.scheduling.registry import builtin_registry
+from picker.scheduling.scheduler import Scheduler
+from picker.scheduling.types import BuildContext, LLMRequest
+from picker.state.endpoints import EndpointSpec, EndpointStore
+
+
+class ManualClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def make_store(
+    count: int,
+    *,
+    waiting: Sequence[float] | None = None,
+    kv_usage: Sequence[float] | None = None,
+    labels: Sequence[dict[str, str]] | None = None,
+    clock: ManualClock | None = None,
+) -> EndpointStore:
+    """A store with ``count`` ready endpoints 10.0.0.{i+1}:8000 and the given signals."""
+    clock = clock or ManualClock()
+    store = EndpointStore(clock)
+    store.set_endpoints(
+        EndpointSpec(f"10.0.0.{i + 1}:8000", (labels[i] if labels else {})) for i in range(count)
+    )
+    for endpoint in store.all():
+        i = endpoint.id
+        store.update_metrics(
+            endpoint.id,
+            waiting=waiting[i] if waiting else 0.0,
+            running=0.0,
+            kv_usage=kv_usage[i] if kv_usage else 0.0,
+        )
+    return store
+
+
+def make_request(prompt: str = "hello world " * 40, **fields: Any) -> LLMRequest:
+    fields.setdefault("model", "m")
+    fields.setdefault("target_model", fields["model"])
+    return LLMRequest(
+        request_id=fields.pop("request_id", "r1"),
+        path=fields.pop("path", "/v1/completions"),
+        kind=fields.pop("kind", "completions"),
+        prompt=prompt,
+        **fields,
+    )
+
+
+def make_context(store: EndpointStore, seed: int = 0) -> BuildContext:
+    return BuildContext(store, random.Random(seed), store.now, metrics_staleness_s=2.0)
+
+
+def make_scheduler(document: dict[str, Any], store: EndpointStore, seed: int = 0) -> Scheduler:
+    config = parse_config(document, builtin_registry(include_entry_points=False))
+    return Scheduler(config, builtin_registry(False), make_context(store, seed), PickerMetrics())
+
+
+def make_director(
+    document: dict[str, Any] | None = None, store: EndpointStore | None = None, seed: int = 0
+) -> Director:
+    registry = builtin_registry(include_entry_points=False)
+    config: PickerConfig = parse_config(document or {}, registry)
+    store = store or make_store(4)
+    ctx = make_context(store, seed)
+    metrics = PickerMetrics()
+    return Director(config, store, Scheduler(config, registry, ctx, metrics), ctx.rng, metrics)

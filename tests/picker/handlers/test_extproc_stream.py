@@ -1,0 +1,177 @@
+"""The ext_proc state machine, message by message (the real-Envoy tests are in integration/)."""
+
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from picker.handlers.extproc import RequestStream
+from picker.wire import BODY_CHUNK_LIMIT_BYTES
+from tests.fakes import make_director, make_store
+
+Mode = processing_mode_pb2.ProcessingMode
+
+
+def headers_message(path="/v1/completions", end_of_stream=False, extra=(), mode=Mode.FULL_DUPLEX_STREAMED,
+                    subset=None):  # type: ignore[no-untyped-def]
+    header_map = base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+        *[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in extra],
+    ])
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=header_map, end_of_stream=end_of_stream),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+    )
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return message
+
+
+def body_message(body: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+def run(stream: RequestStream, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    out = []
+    for message in messages:
+        out.extend(stream.handle(message))
+    return out
+
+
+def destination(response: pb.ProcessingResponse) -> str:
+    common = (response.request_headers.response if response.HasField("request_headers")
+              else response.request_body.response)
+    assert common.clear_route_cache
+    values = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    meta = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert meta["x-gateway-destination-endpoint"].string_value == values["x-gateway-destination-endpoint"]
+    return values["x-gateway-destination-endpoint"]
+
+
+BODY = json.dumps({"model": "m", "prompt": "hello " * 50}).encode()
+
+
+def test_full_duplex_holds_headers_then_routes_and_echoes_body() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    assert run(stream, headers_message()) == []  # the headers reply waits for the body
+    assert run(stream, body_message(BODY[:10], end_of_stream=False)) == []
+    out = run(stream, body_message(BODY[10:]))
+    assert out[0].HasField("request_headers")
+    picked = destination(out[0])
+    assert picked in {e.address for e in director.store.all()}
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in out[1:]]
+    assert b"".join(c.body for c in chunks) == BODY and chunks[-1].end_of_stream
+    endpoint = director.store.by_address[picked]
+    assert director.store.in_flight[endpoint.id] == 1
+    stream.close()
+    assert director.store.in_flight[endpoint.id] == 0
+
+
+def test_large_body_rechunked_under_limit() -> None:
+    director = make_director()
+    big = json.dumps({"model": "m", "prompt": "x" * 200_000}).encode()
+    out = run(RequestStream(director), headers_message(), body_message(big))
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in out[1:]]
+    assert len(chunks) == -(-len(big) // BODY_CHUNK_LIMIT_BYTES)
+    assert all(len(c.body) <= BODY_CHUNK_LIMIT_BYTES for c in chunks)
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert b"".join(c.body for c in chunks) == big
+
+
+def test_buffered_mode_continues_headers_and_routes_on_body() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    (first,) = run(stream, headers_message(mode=Mode.BUFFERED))
+    assert first.HasField("request_headers")
+    assert not first.request_headers.response.header_mutation.set_headers
+    (second,) = run(stream, body_message(BODY))
+    assert second.HasField("request_body")
+    assert destination(second) in director.store.by_address
+
+
+def test_bodyless_request_goes_to_a_ready_endpoint() -> None:
+    director = make_director()
+    (out,) = run(RequestStream(director), headers_message(path="/v1/models", end_of_stream=True))
+    assert destination(out) in director.store.by_address
+
+
+def test_client_headers_cannot_steer_or_inject() -> None:
+    director = make_director(store=make_store(2))
+    extra = [("x-gateway-destination-endpoint", "6.6.6.6:1"), ("x-prefiller-host-port", "6.6.6.6:2")]
+    out = run(RequestStream(director), headers_message(extra=extra), body_message(BODY))
+    assert destination(out[0]) != "6.6.6.6:1"
+    assert "x-prefiller-host-port" in out[0].request_headers.response.header_mutation.remove_headers
+
+
+def test_subset_hint_restricts_and_empty_subset_is_503() -> None:
+    director = make_director(store=make_store(4))
+    for _ in range(20):
+        out = run(RequestStream(director), headers_message(subset=["10.0.0.3:8000"]), body_message(BODY))
+        assert destination(out[0]) == "10.0.0.3:8000"
+    (error,) = run(RequestStream(director), headers_message(subset=[]), body_message(BODY))
+    assert error.immediate_response.status.code == 503
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "reason"),
+    [(b"{oops", 400, "bad-request"), (b'{"prompt": "x"}', 400, "bad-request"),
+     (b"", 400, "bad-request")],
+)
+def test_errors_are_immediate_json_responses(body: bytes, status: int, reason: str) -> None:
+    stream = RequestStream(make_director())
+    (out,) = run(stream, headers_message(), body_message(body))
+    response = out.immediate_response
+    assert response.status.code == status
+    document = json.loads(response.body)
+    assert document["error"]["code"] == status and document["error"]["message"]
+    reasons = {h.header.key: h.header.raw_value.decode() for h in response.headers.set_headers}
+    assert reasons["x-llm-d-request-dropped-reason"] == reason
+    assert stream.closed
+
+
+def test_body_over_limit_is_413_before_the_end() -> None:
+    director = make_director({"server": {"maxBodyBytes": 1000}})
+    stream = RequestStream(director)
+    assert run(stream, headers_message(), body_message(b"x" * 600, end_of_stream=False)) == []
+    (out,) = run(stream, body_message(b"x" * 600, end_of_stream=False))
+    assert out.immediate_response.status.code == 413 and stream.closed
+
+
+def test_no_ready_endpoint_is_503() -> None:
+    store = make_store(2)
+    for endpoint in store.all():
+        store.set_ready(endpoint.id, False)
+    (out,) = run(RequestStream(make_director(store=store)), headers_message(), body_message(BODY))
+    assert out.immediate_response.status.code == 503
+
+
+def test_response_sse_echoed_chunk_for_chunk_and_usage_read() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    run(stream, headers_message(), body_message(BODY))
+    response_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+            base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")])))
+    (reply,) = run(stream, response_headers)
+    assert reply.HasField("response_headers")
+    events = [b'data: {"choices":[{"text":"a"}]}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
+              b'"prompt_tokens_details":{"cached_tokens":4}}}\n\ndata: [DONE]\n\n']
+    echoed = []
+    for i, event in enumerate(events):
+        (out,) = run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(
+            body=event, end_of_stream=i == len(events) - 1)))
+        echoed.append(out.response_body.response.body_mutation.streamed_response)
+    assert [e.body for e in echoed] == events
+    assert [e.end_of_stream for e in echoed] == [False, True]
+    assert stream.finished
+    assert director.metrics.cached_tokens._value.get() == 4
+    assert sum(director.store.in_flight) == 0

@@ -1,0 +1,75 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from picker.state.approx_index import ApproximatePrefixIndex
+from picker.state.hashing import char_block_keys, request_seed
+
+
+def brute_force_runs(held: dict[int, list[int]], keys: list[int], candidates: set[int]) -> dict[int, int]:
+    runs = {}
+    for endpoint in candidates:
+        have = set(held.get(endpoint, []))
+        run = 0
+        for key in keys:
+            if key not in have:
+                break
+            run += 1
+        if run:
+            runs[endpoint] = run
+    return runs
+
+
+operations = st.lists(
+    st.tuples(st.integers(0, 5), st.lists(st.integers(0, 12), min_size=0, max_size=8)),
+    max_size=30,
+)
+
+
+@settings(max_examples=200)
+@given(operations, st.lists(st.integers(0, 12), max_size=10), st.sets(st.integers(0, 5)),
+       st.integers(1, 6))
+def test_matches_brute_force_lru_model(
+    ops: list[tuple[int, list[int]]], query: list[int], candidates: set[int], capacity: int
+) -> None:
+    index = ApproximatePrefixIndex(capacity)
+    model: dict[int, list[int]] = {}  # endpoint -> keys, least recent first
+    for endpoint, keys in ops:
+        index.record(endpoint, keys)
+        held = model.setdefault(endpoint, [])
+        for key in keys:
+            if key in held:
+                held.remove(key)
+            held.append(key)
+        del held[: max(0, len(held) - capacity)]
+    mask = sum(1 << e for e in candidates)
+    assert index.match_runs(query, mask) == brute_force_runs(model, query, candidates)
+    assert index.num_entries() == sum(len(v) for v in model.values())
+    assert all(len(v) <= capacity for v in model.values())
+
+
+def test_remove_endpoint_forgets_it() -> None:
+    index = ApproximatePrefixIndex(10)
+    index.record(0, [1, 2, 3])
+    index.record(1, [1, 2])
+    index.remove_endpoint(0)
+    assert index.match_runs([1, 2, 3], 0b11) == {1: 2}
+    index.remove_endpoint(1)
+    assert len(index) == 0
+
+
+def test_keys_chain_and_isolate_salts() -> None:
+    seed = request_seed("m", None, None)
+    text = ("The quick brown fox jumps over the lazy dog. " * 10).encode()
+    keys = char_block_keys(text, seed, 64, 0)
+    assert len(keys) == len(text) // 64
+    # A shared prefix gives shared leading keys; a change in block 2 changes every key after it.
+    changed = bytearray(text)
+    changed[64 * 2 + 5] ^= 1
+    other = char_block_keys(bytes(changed), seed, 64, 0)
+    assert other[:2] == keys[:2]
+    assert all(a != b for a, b in zip(other[2:], keys[2:], strict=True))
+    salted = char_block_keys(text, request_seed("m", None, "tenant-a"), 64, 0)
+    assert not set(salted) & set(keys)
+    assert set(char_block_keys(text, request_seed("m2", None, None), 64, 0)).isdisjoint(keys)
+    assert char_block_keys(text, seed, 64, 3) == keys[:3]
+    assert char_block_keys(b"short", seed, 64, 0) == []

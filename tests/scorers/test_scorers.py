@@ -1,0 +1,95 @@
+from collections import Counter
+
+import pytest
+
+from picker.scheduling.types import ProfileResult, SchedulingResult
+from scorers.kv_cache_utilization import KVCacheUtilizationParams, KVCacheUtilizationScorer
+from scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from scorers.queue import QueueParams, QueueScorer
+from tests.fakes import ManualClock, make_context, make_request, make_scheduler, make_store
+
+
+def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
+    out = [0.0] * len(store.all())
+    scorer.score(request or make_request(), store.all(), out)
+    return out
+
+
+def test_queue_min_max() -> None:
+    store = make_store(4, waiting=[0, 2, 4, 4])
+    assert scores(QueueScorer("q", QueueParams(), make_context(store)), store) == [1.0, 0.5, 0.0, 0.0]
+    equal = make_store(3, waiting=[3, 3, 3])
+    assert scores(QueueScorer("q", QueueParams(), make_context(equal)), equal) == [1.0] * 3
+
+
+def test_stale_metrics_count_as_loaded() -> None:
+    clock = ManualClock()
+    store = make_store(2, waiting=[0, 0], kv_usage=[0.1, 0.1], clock=clock)
+    clock.advance(5.0)
+    store.update_metrics(store.all()[1].id, waiting=3, running=0, kv_usage=0.5)
+    ctx = make_context(store)
+    assert scores(QueueScorer("q", QueueParams(), ctx), store) == [0.0, 1.0]
+    kv = KVCacheUtilizationScorer("k", KVCacheUtilizationParams(), ctx)
+    assert scores(kv, store) == pytest.approx([0.0, 0.5])
+
+
+def test_kv_utilization() -> None:
+    store = make_store(3, kv_usage=[0.0, 0.25, 1.0])
+    scorer = KVCacheUtilizationScorer("k", KVCacheUtilizationParams(), make_context(store))
+    assert scores(scorer, store) == pytest.approx([1.0, 0.75, 0.0])
+
+
+def test_prefix_scores_matched_over_total_after_pick() -> None:
+    store = make_store(3)
+    scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
+    first = make_request("a" * 100)  # 10 blocks
+    assert scores(scorer, store, first) == [0.0, 0.0, 0.0]
+    target = store.all()[1]
+    result = SchedulingResult("default", {"default": ProfileResult([target], store.all(), [])})
+    scorer.on_pick(first, result)
+    half = make_request("a" * 50 + "b" * 50)
+    assert scores(scorer, store, half) == [0.0, 0.5, 0.0]
+    salted = make_request("a" * 100, cache_salt="other-tenant")
+    assert scores(scorer, store, salted) == [0.0, 0.0, 0.0]
+    other_model = make_request("a" * 100, model="m2")
+    assert scores(scorer, store, other_model) == [0.0, 0.0, 0.0]
+
+
+def test_prefix_affinity_through_scheduler() -> None:
+    store = make_store(4)
+    scheduler = make_scheduler({}, store, seed=3)
+    shared = "system prompt for group A. " * 40
+    picks = {scheduler.schedule(make_request(shared + f"question {i}"), store.all())
+             .primary.targets[0].address for i in range(10)}
+    assert len(picks) == 1
+
+
+def test_default_profile_spreads_requests_sharing_only_a_first_block() -> None:
+    # The Mooncake conversation trace: every request starts with the same block, then differs.
+    # With requests in flight, the default profile must not pin them all on one endpoint.
+    store = make_store(4)
+    scheduler = make_scheduler({}, store, seed=5)
+    counts: Counter[str] = Counter()
+    in_flight = []
+    for i in range(400):
+        prompt = "S" * 64 + f"session-{i}-" + "x" * 600
+        endpoint = scheduler.schedule(make_request(prompt), store.all()).primary.targets[0]
+        store.in_flight[endpoint.id] += 1
+        in_flight.append(endpoint)
+        counts[endpoint.address] += 1
+        if len(in_flight) > 8:  # requests complete after a while
+            done = in_flight.pop(0)
+            store.in_flight[done.id] -= 1
+    assert len(counts) == 4
+    assert max(counts.values()) < 0.4 * 400
+
+
+def test_removed_endpoint_leaves_the_prefix_index() -> None:
+    store = make_store(2)
+    scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
+    request = make_request("a" * 100)
+    target = store.all()[0]
+    scorer.on_pick(request, SchedulingResult("d", {"d": ProfileResult([target], [], [])}))
+    assert len(scorer.index) == 10
+    store.set_endpoints([])
+    assert len(scorer.index) == 0
