@@ -95,10 +95,14 @@ class PickerApp:
 
     async def start(self) -> None:
         config = self.config
+        # A buffered body arrives in one message; accept up to twice the body limit (the buffer
+        # limit the reference Envoy config sets) so an oversized body gets our JSON 413 rather
+        # than a gRPC error that Envoy turns into a bare 500.
+        message_limit = 2 * config.server.max_body_bytes + (1 << 20)
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", config.server.max_body_bytes + (1 << 20)),
-                ("grpc.max_send_message_length", config.server.max_body_bytes + (1 << 20)),
+                ("grpc.max_receive_message_length", message_limit),
+                ("grpc.max_send_message_length", message_limit),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)

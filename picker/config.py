@@ -71,10 +71,13 @@ _OWN_SECTIONS = (
     "schedulingProfiles",
 )
 
-# The built-in default: the GIE default weights (prefix 3, queue 2, kv 2) plus the picker's own
-# in-flight count. Scraped queue depth lags by a scrape interval; without a signal that moves on
-# every pick, a burst whose requests share only a first block (every request of the Mooncake
-# conversation trace does) would all land on whichever endpoint saw that block first.
+# The built-in default: the GIE default's scorers (prefix, queue, kv-utilization) plus the
+# picker's own in-flight count, with prefix 3 and each load signal 1. Scraped queue depth lags by
+# a scrape interval; without a signal that moves on every pick, a burst whose requests share only
+# a first block (every request of the Mooncake conversation trace does) would all land on
+# whichever endpoint saw that block first. Against GIE's prefix 3 / queue 2 / kv 2, the lighter
+# load weights keep a group's requests together unless the load gap is real (the README has the
+# measurement: hit ratio 0.90 vs 0.66 on the demo workload, lower TTFT p90).
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {"type": "prefix-cache-scorer"},
     {"type": "queue-scorer"},
@@ -86,9 +89,9 @@ DEFAULT_PROFILE: Mapping[str, Any] = {
     "name": "default",
     "plugins": [
         {"pluginRef": "prefix-cache-scorer", "weight": 3},
-        {"pluginRef": "queue-scorer", "weight": 2},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-        {"pluginRef": "active-request-scorer", "weight": 2},
+        {"pluginRef": "queue-scorer", "weight": 1},
+        {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+        {"pluginRef": "active-request-scorer", "weight": 1},
         {"pluginRef": "max-score-picker"},
     ],
 }

@@ -70,11 +70,14 @@ def envoy_bootstrap(
     ext_proc_port: int,
     body_mode: str = "FULL_DUPLEX_STREAMED",
     failure_mode_allow: bool = False,
+    max_body_bytes: int = 8 * 1024 * 1024,
 ) -> dict[str, Any]:
     """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
 
     ``body_mode`` is the request body mode: ``FULL_DUPLEX_STREAMED`` (responses streamed the
     same way) or ``BUFFERED`` (responses sent chunk by chunk in ``STREAMED`` mode).
+    Envoy's buffer limit is set above the picker's ``max_body_bytes`` so that an oversized body
+    reaches the picker and gets its JSON 413 rather than Envoy's plain-text one.
     """
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode must be one of {BODY_MODES}")
@@ -94,6 +97,7 @@ def envoy_bootstrap(
             "listeners": [{
                 "name": "inference",
                 "address": socket_address(listen_port),
+                "per_connection_buffer_limit_bytes": 2 * max_body_bytes,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
                     "typed_config": {

@@ -2,9 +2,11 @@
 
 Type: ``active-request-scorer``
 
-Formula: min-max over the candidates of ``n = requests routed to the endpoint and not yet
-finished`` (counted by the picker itself, so it moves on every pick, not on every scrape):
-``score = (max_n - n) / (max_n - min_n)``; all equal -> 1.0.
+Formula: with ``n`` = requests routed to the endpoint and not yet finished (counted by the
+picker itself, so it moves on every pick, not on every scrape) and ``max_n`` the largest ``n``
+among the candidates: ``n <= idleThreshold`` -> 1.0, else ``(max_n - n) / max_n``.
+Relative to the busiest candidate rather than min-max, so one request more than a neighbour
+costs a little, not everything.
 
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count
@@ -12,7 +14,8 @@ reacts at once and spreads the burst.
 
 Inputs: the picker's in-flight accounting (incremented at the pick, decremented when the
 response ends or the stream closes).
-Parameters: none.
+Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests in flight
+counts as idle.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from typing import ClassVar
 
 from picker.scheduling.types import BuildContext, LLMRequest
 from picker.state.endpoints import Endpoint
-from scorers._minmax import write_min_max_inverse
 
 
 @dataclass(frozen=True)
 class ActiveRequestParams:
-    pass
+    idleThreshold: int = 0  # noqa: N815 (the config schema's spelling)
+
+    def validate(self) -> None:
+        if self.idleThreshold < 0:
+            raise ValueError("parameter 'idleThreshold' must be >= 0")
 
 
 class ActiveRequestScorer:
@@ -38,7 +44,12 @@ class ActiveRequestScorer:
     def __init__(self, name: str, params: ActiveRequestParams, ctx: BuildContext) -> None:
         self.name = name
         self._in_flight = ctx.store.in_flight
+        self._idle = params.idleThreshold
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         in_flight = self._in_flight
-        write_min_max_inverse([in_flight[e.id] for e in candidates], out)
+        busiest = max(in_flight[e.id] for e in candidates)
+        idle = self._idle
+        for i, endpoint in enumerate(candidates):
+            count = in_flight[endpoint.id]
+            out[i] = 1.0 if count <= idle else (busiest - count) / busiest
