@@ -43,24 +43,24 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(fraction * len(ordered) + 0.5)) - 1))
+    rank = max(0, min(len(ordered) - 1, round(fraction * len(ordered) + 0.5) - 1))
     return ordered[rank]
 
 
-async def send(
-    session: aiohttp.ClientSession, base_url: str, request: WorkloadRequest
-) -> Outcome:
+async def send(session: aiohttp.ClientSession, base_url: str, request: WorkloadRequest) -> Outcome:
     start = time.perf_counter()
     first_s = 0.0
     try:
-        async with session.post(base_url + request.path, json=request.body,
-                                headers=request.headers) as response:
+        async with session.post(
+            base_url + request.path, json=request.body, headers=request.headers
+        ) as response:
             served_by = response.headers.get(SERVED_BY_HEADER, "")
             if response.status != 200:
                 text = await response.text()
                 elapsed = time.perf_counter() - start
-                return Outcome(response.status, elapsed, elapsed, served_by, text[:300],
-                               group=request.group)
+                return Outcome(
+                    response.status, elapsed, elapsed, served_by, text[:300], group=request.group
+                )
             usage: dict[str, object] = {}
             if request.body.get("stream"):
                 buffer = b""
@@ -78,14 +78,18 @@ async def send(
                 document = await response.json()
                 first_s = time.perf_counter()
                 usage = document.get("usage") or {}
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         elapsed = time.perf_counter() - start
-        return Outcome(0, elapsed, elapsed, error=f"{type(exc).__name__}: {exc}",
-                       group=request.group)
+        return Outcome(
+            0, elapsed, elapsed, error=f"{type(exc).__name__}: {exc}", group=request.group
+        )
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
     return Outcome(
-        200, (first_s or end) - start, end - start, served_by,
+        200,
+        (first_s or end) - start,
+        end - start,
+        served_by,
         completion_tokens=int(usage.get("completion_tokens", 0) or 0),  # type: ignore[call-overload]
         cached_tokens=int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0,
         group=request.group,

@@ -53,12 +53,17 @@ def _prefix_counters(stack: LocalStack) -> tuple[float, float]:
 def _reset_caches(stack: LocalStack) -> None:
     for address in stack.sim_addresses:
         request = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=5):  # noqa: S310 (loopback)
+        with urllib.request.urlopen(request, timeout=5):
             pass
 
 
-def run_profile(stack: LocalStack, name: str, config: dict[str, object] | None,
-                workload: SharedPrefixWorkload, concurrency: int) -> RunSummary:
+def run_profile(
+    stack: LocalStack,
+    name: str,
+    config: dict[str, object] | None,
+    workload: SharedPrefixWorkload,
+    concurrency: int,
+) -> RunSummary:
     stack.start_picker(config or {})
     _reset_caches(stack)
     queries_before, hits_before = _prefix_counters(stack)
@@ -95,21 +100,29 @@ def format_table(rows: list[RunSummary]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(requests: int = 160, concurrency: int = 8, seed: int = 7,
-             out: TextIO = sys.stdout) -> int:
+def run_demo(
+    requests: int = 160, concurrency: int = 8, seed: int = 7, out: TextIO = sys.stdout
+) -> int:
     groups = 12
     workload = SharedPrefixWorkload(
         groups=groups, users_per_group=max(1, requests // groups), seed=seed
     )
-    print(f"kv-picker demo: 4 simulated endpoints (time scale {TIME_SCALE}), real Envoy, "
-          f"{workload.groups} groups x {workload.users_per_group} users, "
-          f"~{workload.shared_context_tokens}-token shared contexts, {concurrency} connections",
-          file=out, flush=True)
+    print(
+        f"kv-picker demo: 4 simulated endpoints (time scale {TIME_SCALE}), real Envoy, "
+        f"{workload.groups} groups x {workload.users_per_group} users, "
+        f"~{workload.shared_context_tokens}-token shared contexts, {concurrency} connections",
+        file=out,
+        flush=True,
+    )
     started = time.perf_counter()
-    with LocalStack(sims=4, picker_config=RANDOM_PROFILE, time_scale=TIME_SCALE,
-                    sim_args=SIM_ARGS) as stack:
-        print(f"stack up in {time.perf_counter() - started:.1f}s: Envoy on {stack.url}",
-              file=out, flush=True)
+    with LocalStack(
+        sims=4, picker_config=RANDOM_PROFILE, time_scale=TIME_SCALE, sim_args=SIM_ARGS
+    ) as stack:
+        print(
+            f"stack up in {time.perf_counter() - started:.1f}s: Envoy on {stack.url}",
+            file=out,
+            flush=True,
+        )
         rows = [
             run_profile(stack, "random (cache-blind)", RANDOM_PROFILE, workload, concurrency),
             run_profile(stack, "kv-picker default", None, workload, concurrency),
@@ -119,7 +132,10 @@ def run_demo(requests: int = 160, concurrency: int = 8, seed: int = 7,
     if ours.errors or baseline.errors:
         print("errors occurred: see above", file=out)
         return 1
-    print(f"hit ratio {ours.hit_ratio:.3f} vs {baseline.hit_ratio:.3f}; TTFT p50 "
-          f"{ours.ttft_p50_ms:.1f} ms vs {baseline.ttft_p50_ms:.1f} ms; "
-          f"total {time.perf_counter() - started:.1f}s", file=out)
+    print(
+        f"hit ratio {ours.hit_ratio:.3f} vs {baseline.hit_ratio:.3f}; TTFT p50 "
+        f"{ours.ttft_p50_ms:.1f} ms vs {baseline.ttft_p50_ms:.1f} ms; "
+        f"total {time.perf_counter() - started:.1f}s",
+        file=out,
+    )
     return 0

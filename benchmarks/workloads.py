@@ -15,12 +15,63 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-_VOCABULARY = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu cache block "
-    "prefix token model serve route pick queue batch decode prefill memory tensor layer head "
-    "weight kernel stream event index score policy load pool shard replica gateway envoy"
-).split()
+_VOCABULARY = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "cache",
+    "block",
+    "prefix",
+    "token",
+    "model",
+    "serve",
+    "route",
+    "pick",
+    "queue",
+    "batch",
+    "decode",
+    "prefill",
+    "memory",
+    "tensor",
+    "layer",
+    "head",
+    "weight",
+    "kernel",
+    "stream",
+    "event",
+    "index",
+    "score",
+    "policy",
+    "load",
+    "pool",
+    "shard",
+    "replica",
+    "gateway",
+    "envoy",
+]
 
 
 @dataclass(frozen=True)
@@ -76,7 +127,10 @@ class SharedPrefixWorkload:
 
 
 def long_prompt_requests(
-    count: int, prompt_tokens: int, model: str = "sim-model", seed: int = 0,
+    count: int,
+    prompt_tokens: int,
+    model: str = "sim-model",
+    seed: int = 0,
     output_tokens: int = 1,
 ) -> list[WorkloadRequest]:
     """Distinct long prompts (no shared prefix), for overhead measurements."""
@@ -84,8 +138,12 @@ def long_prompt_requests(
     return [
         WorkloadRequest(
             "/v1/completions",
-            {"model": model, "prompt": f"request {i}: " + words(rng, prompt_tokens),
-             "max_tokens": output_tokens, "stream": False},
+            {
+                "model": model,
+                "prompt": f"request {i}: " + words(rng, prompt_tokens),
+                "max_tokens": output_tokens,
+                "stream": False,
+            },
         )
         for i in range(count)
     ]

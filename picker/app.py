@@ -12,6 +12,7 @@ PickerApp.start()
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -129,16 +130,19 @@ class PickerApp:
         site = web.TCPSite(runner, config.server.host, config.server.metrics_port)
         await site.start()
         self._http_runner = runner
-        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else config.server.metrics_port
+        bound = [address for address in runner.addresses if isinstance(address, tuple)]
+        self.metrics_port = int(bound[0][1]) if bound else config.server.metrics_port
 
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="metrics-scraper"))
         if self.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
         log.info(
             "kv-picker serving ext_proc on %s:%d (%s), metrics on :%d, %d endpoints",
-            config.server.host, self.grpc_port,
-            "TLS" if config.server.tls else "plaintext", self.metrics_port, len(self.store),
+            config.server.host,
+            self.grpc_port,
+            "TLS" if config.server.tls else "plaintext",
+            self.metrics_port,
+            len(self.store),
         )
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -150,10 +154,8 @@ class PickerApp:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         self._tasks.clear()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
@@ -196,8 +198,9 @@ class PickerApp:
             self.metrics.config_reloads.labels("rejected").inc()
             return False
         if config.server != self.config.server:
-            log.warning("server settings changed in %s: they take effect on restart",
-                        self.config_path)
+            log.warning(
+                "server settings changed in %s: they take effect on restart", self.config_path
+            )
         if config.metrics != self.config.metrics:
             self.scraper.interval_s = config.metrics.scrape_interval_s
             self.scraper.timeout_s = config.metrics.timeout_s
@@ -218,8 +221,9 @@ class PickerApp:
                 self.metrics.prefix_index_keys.set(len(index))
                 if index.queried_blocks:
                     self.metrics.prefix_index_hit_ratio.set(index.hit_blocks / index.queried_blocks)
-        return web.Response(body=self.metrics.exposition(),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
+        )
 
     async def _healthz_handler(self, request: web.Request) -> web.Response:
         ready = len(self.store.ready_endpoints())

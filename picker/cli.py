@@ -64,8 +64,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     store.set_endpoints(config.endpoints)
     metrics = PickerMetrics()
     if args.scrape:
-        scraper = MetricsScraper(store, metrics, 1.0, config.metrics.timeout_s,
-                                 config.metrics.path)
+        scraper = MetricsScraper(store, metrics, 1.0, config.metrics.timeout_s, config.metrics.path)
 
         async def scrape() -> None:
             import aiohttp
@@ -84,19 +83,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
     headers = {":path": args.path, ":method": "POST"}
     request = director.parse(body, headers)
     result = director.schedule(request, None, explain=True)
-    report = {"request": {"model": request.model, "kind": request.kind,
-                          "prompt_chars": len(request.prompt)},
-              "primary_profile": result.primary_profile, "profiles": {}}
+    report = {
+        "request": {
+            "model": request.model,
+            "kind": request.kind,
+            "prompt_chars": len(request.prompt),
+        },
+        "primary_profile": result.primary_profile,
+        "profiles": {},
+    }
     for name, profile_result in result.profile_results.items():
         rows = []
         for i, endpoint in enumerate(profile_result.candidates):
-            scores = {scorer: values[i] for scorer, values in
-                      (profile_result.breakdown or {}).items()}
-            rows.append({"endpoint": endpoint.address, "total": profile_result.totals[i],
-                         "scores": scores})
+            scores = {
+                scorer: values[i] for scorer, values in (profile_result.breakdown or {}).items()
+            }
+            rows.append(
+                {"endpoint": endpoint.address, "total": profile_result.totals[i], "scores": scores}
+            )
         rows.sort(key=lambda row: -float(row["total"]))  # type: ignore[arg-type]
         report["profiles"][name] = {  # type: ignore[index]
-            "picked": [e.address for e in profile_result.targets], "candidates": rows}
+            "picked": [e.address for e in profile_result.targets],
+            "candidates": rows,
+        }
     print(json.dumps(report, indent=2))
     return EXIT_OK
 
@@ -124,16 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kv-picker",
         description="KV-cache-aware endpoint picker for LLM inference (Envoy ext_proc).",
     )
-    parser.add_argument("--log-level", default="info",
-                        help="debug, info, warning or error (default: info)")
+    parser.add_argument(
+        "--log-level", default="info", help="debug, info, warning or error (default: info)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the ext_proc service")
-    serve.add_argument("--config", help="EndpointPickerConfig YAML (reloaded when it changes); "
-                       "without it, the built-in default with no endpoints")
+    serve.add_argument(
+        "--config",
+        help="EndpointPickerConfig YAML (reloaded when it changes); "
+        "without it, the built-in default with no endpoints",
+    )
 
-    demo = sub.add_parser("demo", help="local stack: Envoy + kv-picker + 4 simulated endpoints, "
-                          "replay a shared-prefix workload under two profiles, print a table")
+    demo = sub.add_parser(
+        "demo",
+        help="local stack: Envoy + kv-picker + 4 simulated endpoints, "
+        "replay a shared-prefix workload under two profiles, print a table",
+    )
     demo.add_argument("--requests", type=int, default=160, help="requests per profile (160)")
     demo.add_argument("--concurrency", type=int, default=8, help="client connections (8)")
     demo.add_argument("--seed", type=int, default=7, help="workload seed (7)")
@@ -142,11 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--config", required=True, help="EndpointPickerConfig YAML")
     explain.add_argument("--request", required=True, help="JSON request body file")
     explain.add_argument("--path", default="/v1/completions", help="request path")
-    explain.add_argument("--scrape", action="store_true",
-                         help="scrape the endpoints' /metrics first (default: all idle)")
+    explain.add_argument(
+        "--scrape",
+        action="store_true",
+        help="scrape the endpoints' /metrics first (default: all idle)",
+    )
 
-    sub.add_parser("sim-endpoint", add_help=False,
-                   help="run one simulated vLLM endpoint (see sim-endpoint --help)")
+    sub.add_parser(
+        "sim-endpoint",
+        add_help=False,
+        help="run one simulated vLLM endpoint (see sim-endpoint --help)",
+    )
     sub.add_parser("bench", add_help=False, help="benchmarks (see bench --help)")
     return parser
 
@@ -160,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             position = argv.index(passthrough)
             args = parser.parse_args(argv[: position + 1])
             _setup_logging(args.log_level)
-            rest = argv[position + 1:]
+            rest = argv[position + 1 :]
             return (cmd_sim_endpoint if passthrough == "sim-endpoint" else cmd_bench)(args, rest)
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)

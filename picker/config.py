@@ -168,9 +168,9 @@ def parse_duration_s(value: Any, where: str) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[
-            match.group(2)
-        ]
+        seconds = (
+            float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
+        )
     else:
         raise ConfigError(f"{where}: expected a duration such as 100ms, 2s or 1.5, got {value!r}")
     if seconds <= 0:
@@ -211,8 +211,15 @@ class _Reader:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
-             list: "a list", dict: "a mapping", Mapping: "a mapping"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true/false",
+        list: "a list",
+        dict: "a mapping",
+        Mapping: "a mapping",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -392,8 +399,12 @@ def _parse_plugins(raw: list[Any], registry: Registry) -> tuple[PluginConfig, ..
 
 def plugin_kind(cls: type) -> str:
     """``filter``, ``scorer``, ``picker`` or ``handler``, from the methods a class has."""
-    for method, kind in (("schedule", "handler"), ("pick", "picker"), ("score", "scorer"),
-                         ("filter", "filter")):
+    for method, kind in (
+        ("schedule", "handler"),
+        ("pick", "picker"),
+        ("score", "scorer"),
+        ("filter", "filter"),
+    ):
         if callable(getattr(cls, method, None)):
             return kind
     return "other"
@@ -408,10 +419,12 @@ def _parse_profiles(
         raise ConfigError(f"plugins: only one profile handler allowed, got {', '.join(handlers)}")
     if raw is None:
         # No profiles: one `default` profile with every filter, scorer and picker declared.
-        raw = [{
-            "name": "default",
-            "plugins": [{"pluginRef": p.name} for p in plugins if kinds[p.name] != "handler"],
-        }]
+        raw = [
+            {
+                "name": "default",
+                "plugins": [{"pluginRef": p.name} for p in plugins if kinds[p.name] != "handler"],
+            }
+        ]
     if not raw:
         raise ConfigError("schedulingProfiles: at least one profile is required")
     profiles = []
@@ -440,7 +453,9 @@ def _parse_profiles(
                 )
             kind = kinds[plugin_ref]
             if kind == "handler":
-                raise ConfigError(f"{where}: {plugin_ref!r} is a profile handler, not a profile step")
+                raise ConfigError(
+                    f"{where}: {plugin_ref!r} is a profile handler, not a profile step"
+                )
             weight = ref_reader.get("weight", (int, float), 1.0)
             if weight < 0:
                 raise ConfigError(f"{where}.weight: must be >= 0, got {weight}")

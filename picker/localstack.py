@@ -90,63 +90,91 @@ def envoy_bootstrap(
         "request_trailer_mode": "SEND" if full_duplex else "SKIP",
         "response_trailer_mode": "SEND" if full_duplex else "SKIP",
     }
-    socket_address = lambda port: {"socket_address": {"address": "127.0.0.1", "port_value": port}}  # noqa: E731
+
+    def socket_address(port: int) -> dict[str, Any]:
+        return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
     return {
         "admin": {"address": socket_address(admin_port)},
         "static_resources": {
-            "listeners": [{
-                "name": "inference",
-                "address": socket_address(listen_port),
-                "per_connection_buffer_limit_bytes": 2 * max_body_bytes,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-                                 "http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "inference",
-                        "stream_idle_timeout": "300s",
-                        "route_config": {"name": "inference", "virtual_hosts": [{
-                            "name": "all", "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {
-                                "cluster": "original_destination_cluster",
-                                "timeout": "300s"}}],
-                        }]},
-                        "http_filters": [
-                            {
-                                "name": "envoy.filters.http.ext_proc",
-                                "typed_config": {
-                                    "@type": "type.googleapis.com/envoy.extensions.filters."
-                                             "http.ext_proc.v3.ExternalProcessor",
-                                    "grpc_service": {
-                                        "envoy_grpc": {"cluster_name": "ext_proc"},
-                                        "timeout": "10s",
+            "listeners": [
+                {
+                    "name": "inference",
+                    "address": socket_address(listen_port),
+                    "per_connection_buffer_limit_bytes": 2 * max_body_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                        "http_connection_manager.v3.HttpConnectionManager",
+                                        "stat_prefix": "inference",
+                                        "stream_idle_timeout": "300s",
+                                        "route_config": {
+                                            "name": "inference",
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {
+                                                                "cluster": "original_destination_cluster",
+                                                                "timeout": "300s",
+                                                            },
+                                                        }
+                                                    ],
+                                                }
+                                            ],
+                                        },
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.ext_proc",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/envoy.extensions.filters."
+                                                    "http.ext_proc.v3.ExternalProcessor",
+                                                    "grpc_service": {
+                                                        "envoy_grpc": {"cluster_name": "ext_proc"},
+                                                        "timeout": "10s",
+                                                    },
+                                                    "failure_mode_allow": failure_mode_allow,
+                                                    "processing_mode": processing_mode,
+                                                    "message_timeout": "30s",
+                                                },
+                                            },
+                                            {
+                                                "name": "envoy.filters.http.router",
+                                                "typed_config": {
+                                                    "@type": "type.googleapis.com/envoy.extensions.filters."
+                                                    "http.router.v3.Router",
+                                                },
+                                            },
+                                        ],
                                     },
-                                    "failure_mode_allow": failure_mode_allow,
-                                    "processing_mode": processing_mode,
-                                    "message_timeout": "30s",
-                                },
-                            },
-                            {
-                                "name": "envoy.filters.http.router",
-                                "typed_config": {
-                                    "@type": "type.googleapis.com/envoy.extensions.filters."
-                                             "http.router.v3.Router",
-                                },
-                            },
-                        ],
-                    },
-                }]}],
-            }],
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
             "clusters": [
                 {
                     "name": "original_destination_cluster",
                     "type": "ORIGINAL_DST",
                     "lb_policy": "CLUSTER_PROVIDED",
                     "connect_timeout": "5s",
-                    "circuit_breakers": {"thresholds": [{
-                        "max_connections": 40000, "max_pending_requests": 40000,
-                        "max_requests": 40000,
-                    }]},
+                    "circuit_breakers": {
+                        "thresholds": [
+                            {
+                                "max_connections": 40000,
+                                "max_pending_requests": 40000,
+                                "max_requests": 40000,
+                            }
+                        ]
+                    },
                     "original_dst_lb_config": {
                         "use_http_header": True,
                         "http_header_name": DESTINATION_HEADER,
@@ -159,15 +187,19 @@ def envoy_bootstrap(
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
-                                     "HttpProtocolOptions",
+                            "HttpProtocolOptions",
                             "explicit_http_config": {"http2_protocol_options": {}},
                         },
                     },
                     "load_assignment": {
                         "cluster_name": "ext_proc",
-                        "endpoints": [{"lb_endpoints": [
-                            {"endpoint": {"address": socket_address(ext_proc_port)}},
-                        ]}],
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {"endpoint": {"address": socket_address(ext_proc_port)}},
+                                ]
+                            }
+                        ],
                     },
                 },
             ],
@@ -178,15 +210,20 @@ def envoy_bootstrap(
 class ManagedProcess:
     """A child process with its output in a log file, stopped for sure on :meth:`stop`."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
 
     def alive(self) -> bool:
@@ -228,7 +265,7 @@ class ManagedProcess:
 
 def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (loopback)
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -318,18 +355,32 @@ class LocalStack:
             port = free_port()
             address = f"127.0.0.1:{port}"
             argv = [
-                sys.executable, "-m", "benchmarks.sim", "--host", "127.0.0.1",
-                "--port", str(port), "--model", self.model, "--role", spec.role,
-                "--hardware-class", spec.hardware_class, "--time-scale", str(self.time_scale),
-                "--seed", str(i), *self.sim_args, *spec.extra_args,
+                sys.executable,
+                "-m",
+                "benchmarks.sim",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--model",
+                self.model,
+                "--role",
+                spec.role,
+                "--hardware-class",
+                spec.hardware_class,
+                "--time-scale",
+                str(self.time_scale),
+                "--seed",
+                str(i),
+                *self.sim_args,
+                *spec.extra_args,
             ]
             proc = ManagedProcess(f"sim-{i}", argv, self.workdir / f"sim-{i}.log")
             self.processes.append(proc)
             self.sim_addresses.append(address)
         for proc, address in zip(self.processes, self.sim_addresses, strict=True):
-            proc.wait_until(
-                lambda a=address: http_get(f"http://{a}/health")[0] == 200, 30.0, "health"
-            )
+            health_url = f"http://{address}/health"
+            proc.wait_until(lambda url=health_url: http_get(url)[0] == 200, 30.0, "health")  # type: ignore[misc]
 
     def write_picker_config(self, picker_config: dict[str, Any] | None = None) -> Path:
         config = dict(picker_config if picker_config is not None else self.picker_config)
@@ -348,15 +399,15 @@ class LocalStack:
             endpoints.append({"address": address, "labels": labels})
         endpoints += [{"address": address} for address in self.extra_endpoints]
         config["endpoints"] = endpoints
-        config.setdefault("metrics", {"scrapeInterval": "50ms", "stalenessThreshold": "2s"})
         path = self.workdir / "picker.yaml"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))
         tmp.replace(path)
         return path
 
-    def start_picker(self, picker_config: dict[str, Any] | None = None,
-                     min_ready: int | None = None) -> None:
+    def start_picker(
+        self, picker_config: dict[str, Any] | None = None, min_ready: int | None = None
+    ) -> None:
         if self.picker is not None:
             self.picker.stop()
             self.processes.remove(self.picker)
@@ -367,7 +418,8 @@ class LocalStack:
         wanted = len(self.sim_addresses) if min_ready is None else min_ready
         metrics_url = f"http://127.0.0.1:{self.picker_metrics_port}/healthz"
         self.picker.wait_until(
-            lambda: json.loads(http_get(metrics_url)[1])["ready"] >= wanted, 30.0,
+            lambda: json.loads(http_get(metrics_url)[1])["ready"] >= wanted,
+            30.0,
             f"{wanted} ready endpoints",
         )
 
@@ -379,8 +431,16 @@ class LocalStack:
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-        argv = [envoy_binary(), "-c", str(path), "--disable-hot-restart",
-                "--log-level", "warn", "--concurrency", "2"]
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(path),
+            "--disable-hot-restart",
+            "--log-level",
+            "warn",
+            "--concurrency",
+            "2",
+        ]
         self.envoy = ManagedProcess("envoy", argv, self.workdir / "envoy.log")
         self.processes.append(self.envoy)
         admin = f"http://127.0.0.1:{self.envoy_admin_port}/ready"

@@ -10,7 +10,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Scheduling is sub-millisecond; request latency is seconds to minutes.
 _SCHEDULING_BUCKETS_S = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
 )
 _REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -27,65 +37,111 @@ class PickerMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kv_picker_requests", "Requests handled, by model and outcome "
-            "(routed, passthrough, or the error reason).", REQUEST_LABELS, registry=r)
+            "kv_picker_requests",
+            "Requests handled, by model and outcome (routed, passthrough, or the error reason).",
+            REQUEST_LABELS,
+            registry=r,
+        )
         self.picks = Counter(
-            "kv_picker_picks", "Endpoints picked, by profile and endpoint.",
-            ("profile", "endpoint"), registry=r)
+            "kv_picker_picks",
+            "Endpoints picked, by profile and endpoint.",
+            ("profile", "endpoint"),
+            registry=r,
+        )
         self.scheduling_seconds = Histogram(
             "kv_picker_scheduling_duration_seconds",
             "Time from parsed request to pick (all profiles).",
-            buckets=_SCHEDULING_BUCKETS_S, registry=r)
+            buckets=_SCHEDULING_BUCKETS_S,
+            registry=r,
+        )
         self.plugin_seconds = Histogram(
-            "kv_picker_plugin_duration_seconds", "Time spent in one plugin for one request.",
-            PLUGIN_LABELS, buckets=_SCHEDULING_BUCKETS_S, registry=r)
+            "kv_picker_plugin_duration_seconds",
+            "Time spent in one plugin for one request.",
+            PLUGIN_LABELS,
+            buckets=_SCHEDULING_BUCKETS_S,
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "kv_picker_request_duration_seconds",
             "Time from the request's headers to the end of the response.",
-            buckets=_REQUEST_BUCKETS_S, registry=r)
+            buckets=_REQUEST_BUCKETS_S,
+            registry=r,
+        )
         self.ttft_seconds = Histogram(
             "kv_picker_time_to_first_byte_seconds",
             "Time from the pick to the first response body byte.",
-            buckets=_REQUEST_BUCKETS_S, registry=r)
+            buckets=_REQUEST_BUCKETS_S,
+            registry=r,
+        )
         self.input_tokens = Histogram(
-            "kv_picker_request_input_tokens", "Prompt tokens reported by the endpoint.",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            "kv_picker_request_input_tokens",
+            "Prompt tokens reported by the endpoint.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.output_tokens = Histogram(
-            "kv_picker_request_output_tokens", "Completion tokens reported by the endpoint.",
-            buckets=_TOKEN_BUCKETS, registry=r)
+            "kv_picker_request_output_tokens",
+            "Completion tokens reported by the endpoint.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "kv_picker_request_cached_tokens",
-            "Prompt tokens the endpoint reported as served from its prefix cache.", registry=r)
+            "Prompt tokens the endpoint reported as served from its prefix cache.",
+            registry=r,
+        )
         self.running = Gauge(
-            "kv_picker_requests_running", "Requests routed and not yet finished.", registry=r)
+            "kv_picker_requests_running", "Requests routed and not yet finished.", registry=r
+        )
         self.endpoints = Gauge(
-            "kv_picker_endpoints", "Endpoints by state (ready, not_ready).", ("state",),
-            registry=r)
+            "kv_picker_endpoints", "Endpoints by state (ready, not_ready).", ("state",), registry=r
+        )
         self.endpoint_waiting = Gauge(
-            "kv_picker_endpoint_requests_waiting", "Scraped vllm:num_requests_waiting.",
-            ENDPOINT_LABELS, registry=r)
+            "kv_picker_endpoint_requests_waiting",
+            "Scraped vllm:num_requests_waiting.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.endpoint_running = Gauge(
-            "kv_picker_endpoint_requests_running", "Scraped vllm:num_requests_running.",
-            ENDPOINT_LABELS, registry=r)
+            "kv_picker_endpoint_requests_running",
+            "Scraped vllm:num_requests_running.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.endpoint_kv_usage = Gauge(
-            "kv_picker_endpoint_kv_cache_usage_ratio", "Scraped vllm:kv_cache_usage_perc, [0,1].",
-            ENDPOINT_LABELS, registry=r)
+            "kv_picker_endpoint_kv_cache_usage_ratio",
+            "Scraped vllm:kv_cache_usage_perc, [0,1].",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.endpoint_in_flight = Gauge(
-            "kv_picker_endpoint_in_flight_requests", "Requests routed here and not finished.",
-            ENDPOINT_LABELS, registry=r)
+            "kv_picker_endpoint_in_flight_requests",
+            "Requests routed here and not finished.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.scrape_errors = Counter(
-            "kv_picker_scrape_errors", "Failed metric scrapes, by endpoint.",
-            ENDPOINT_LABELS, registry=r)
+            "kv_picker_scrape_errors",
+            "Failed metric scrapes, by endpoint.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.prefix_index_keys = Gauge(
-            "kv_picker_prefix_index_keys", "Distinct block keys in the approximate prefix index.",
-            registry=r)
+            "kv_picker_prefix_index_keys",
+            "Distinct block keys in the approximate prefix index.",
+            registry=r,
+        )
         self.prefix_index_hit_ratio = Gauge(
             "kv_picker_prefix_index_hit_ratio",
             "Blocks matched over blocks looked up in the approximate prefix index, [0,1].",
-            registry=r)
+            registry=r,
+        )
         self.config_reloads = Counter(
-            "kv_picker_config_reloads", "Config reload attempts, by result.", ("result",),
-            registry=r)
+            "kv_picker_config_reloads",
+            "Config reload attempts, by result.",
+            ("result",),
+            registry=r,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

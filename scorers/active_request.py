@@ -30,7 +30,7 @@ from picker.state.endpoints import Endpoint
 
 @dataclass(frozen=True)
 class ActiveRequestParams:
-    idleThreshold: int = 0  # noqa: N815 (the config schema's spelling)
+    idleThreshold: int = 0
 
     def validate(self) -> None:
         if self.idleThreshold < 0:

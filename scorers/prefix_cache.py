@@ -38,9 +38,9 @@ _KEYS_STATE = "prefix_cache.keys"
 @dataclass(frozen=True)
 class PrefixCacheParams:
     mode: str = "approximate"
-    blockSizeChars: int = 64  # noqa: N815 (the config schema's spelling)
-    maxPrefixBlocksToMatch: int = 256  # noqa: N815
-    lruCapacityPerServer: int = 31250  # noqa: N815
+    blockSizeChars: int = 64
+    maxPrefixBlocksToMatch: int = 256
+    lruCapacityPerServer: int = 31250
 
     def validate(self) -> None:
         if self.mode not in ("approximate", "precise"):

@@ -44,8 +44,7 @@ class QueueScorer:
         scraped_s = store.scraped_s
         oldest_fresh_s = store.now() - self._staleness_s
         loads = [
-            waiting[e.id] if scraped_s[e.id] >= oldest_fresh_s else _STALE_LOAD
-            for e in candidates
+            waiting[e.id] if scraped_s[e.id] >= oldest_fresh_s else _STALE_LOAD for e in candidates
         ]
         finite = [load for load in loads if load != _STALE_LOAD]
         if len(finite) != len(loads):

@@ -47,9 +47,7 @@ def _prompt_text(prompt: Any) -> str:
             for p in prompt
         ):
             return "\n".join(" ".join(map(str, p)) for p in prompt)
-    raise BadRequestError(
-        "'prompt' must be a string, a list of strings, or a list of token ids"
-    )
+    raise BadRequestError("'prompt' must be a string, a list of strings, or a list of token ids")
 
 
 def _content_text(content: Any, where: str) -> str:

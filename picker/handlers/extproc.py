@@ -54,7 +54,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def __init__(self, director: Director) -> None:
         self.director = director
 
-    async def Process(  # noqa: N802 (gRPC method name)
+    async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = RequestStream(self.director)
@@ -129,7 +129,9 @@ class RequestStream:
 
     def _request_headers(self, message: pb.HttpHeaders) -> Iterator[pb.ProcessingResponse]:
         for header in message.headers.headers:
-            value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+            value = (
+                header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+            )
             self.headers[header.key.lower()] = value
         if message.end_of_stream:
             endpoint = self.director.pick_bodyless(self.metadata)
@@ -196,7 +198,9 @@ class RequestStream:
         remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h != DESTINATION_HEADER]
         return responses.routing_mutation(set_headers, remove)
 
-    def _headers_pick(self, endpoint: Endpoint, content_length: int | None) -> pb.ProcessingResponse:
+    def _headers_pick(
+        self, endpoint: Endpoint, content_length: int | None
+    ) -> pb.ProcessingResponse:
         return pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(
                 response=self._routing_common(endpoint, content_length)
@@ -224,8 +228,9 @@ class RequestStream:
         content_type = ""
         for header in message.headers.headers:
             if header.key.lower() == "content-type":
-                content_type = (header.raw_value.decode("latin-1") if header.raw_value
-                                else header.value)
+                content_type = (
+                    header.raw_value.decode("latin-1") if header.raw_value else header.value
+                )
                 break
         self.usage = UsageReader(streaming="text/event-stream" in content_type)
         yield responses.CONTINUE_HEADERS_RESPONSE

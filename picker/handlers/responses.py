@@ -11,7 +11,12 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from picker.errors import PickerError
-from picker.wire import BODY_CHUNK_LIMIT_BYTES, DESTINATION_KEY, DESTINATION_NAMESPACE, DROPPED_REASON_HEADER
+from picker.wire import (
+    BODY_CHUNK_LIMIT_BYTES,
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    DROPPED_REASON_HEADER,
+)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -91,7 +96,7 @@ def immediate_error(error: PickerError) -> pb.ProcessingResponse:
     """The only place an error becomes an HTTP response: status, JSON body, reason header."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=error.status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=error.status),
             headers=pb.HeaderMutation(
                 set_headers=[
                     header_option("content-type", "application/json"),

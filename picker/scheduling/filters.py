@@ -36,8 +36,8 @@ class _LabelFilter:
 @dataclass(frozen=True)
 class ByLabelParams:
     label: str = ""
-    validValues: list[str] = field(default_factory=list)  # noqa: N815
-    allowsNoLabel: bool = False  # noqa: N815
+    validValues: list[str] = field(default_factory=list)
+    allowsNoLabel: bool = False
 
     def validate(self) -> None:
         if not self.label:

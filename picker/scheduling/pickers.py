@@ -22,7 +22,7 @@ from picker.state.endpoints import Endpoint
 
 @dataclass(frozen=True)
 class PickerParams:
-    maxNumOfEndpoints: int = 1  # noqa: N815 (the config schema's spelling)
+    maxNumOfEndpoints: int = 1
 
     def validate(self) -> None:
         if self.maxNumOfEndpoints < 1:

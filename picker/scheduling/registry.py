@@ -65,7 +65,8 @@ class Registry:
 
     def parse_params(self, type_name: str, plugin_name: str, raw: Any) -> Any:
         """Decode a plugin's ``parameters`` strictly into its Params dataclass."""
-        return decode_params(self.get(type_name).Params, raw, f"plugin {plugin_name!r}")
+        cls: Any = self.get(type_name)
+        return decode_params(cls.Params, raw, f"plugin {plugin_name!r}")
 
     def build(self, type_name: str, name: str, params: Any, ctx: BuildContext) -> AnyPlugin:
         cls = self.get(type_name)
@@ -159,8 +160,9 @@ def builtin_registry(include_entry_points: bool = True) -> Registry:
     from picker.scheduling.pickers import BUILTIN_PICKERS
     from scorers import BUILTIN_SCORERS
 
-    registry = Registry([*BUILTIN_SCORERS, *BUILTIN_PICKERS, *BUILTIN_FILTERS,
-                         *BUILTIN_PROFILE_HANDLERS])
+    registry = Registry(
+        [*BUILTIN_SCORERS, *BUILTIN_PICKERS, *BUILTIN_FILTERS, *BUILTIN_PROFILE_HANDLERS]
+    )
     if include_entry_points:
         for entry_point in entry_points(group=ENTRY_POINT_GROUP):
             try:

@@ -180,8 +180,10 @@ class Scheduler:
         start = _perf()
         profiles = self.profiles
 
-        def run_profile(name: str, req: LLMRequest, cands: list[Endpoint]) -> ProfileResult:
-            return profiles[name].run(req, cands, explain)
+        def run_profile(
+            profile_name: str, request: LLMRequest, candidates: list[Endpoint]
+        ) -> ProfileResult:
+            return profiles[profile_name].run(request, candidates, explain)
 
         result = self.handler.schedule(request, candidates, self._profile_names, run_profile)
         for hook in self._post_pick:

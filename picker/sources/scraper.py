@@ -58,9 +58,7 @@ def parse_vllm_metrics(text: str) -> EndpointSignals:
     Raises:
         MetricsParseError: the text is not valid exposition format, or has no queue metric.
     """
-    selected = "\n".join(
-        line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES)
-    )
+    selected = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
     signals = EndpointSignals()
     seen_queue = False
     kv_new: float | None = None

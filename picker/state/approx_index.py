@@ -68,7 +68,7 @@ class ApproximatePrefixIndex:
                 mask = held
                 if not mask:
                     break
-            position += 1
+            position += 1  # noqa: SIM113 (the count outlives the loop)
         else:
             while mask and position:
                 low = mask & -mask

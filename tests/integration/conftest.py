@@ -36,17 +36,27 @@ class Reply:
         return json.loads(self.body)
 
 
-def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
-         timeout_s: float = 30.0, method: str = "POST") -> Reply:
+def post(
+    url: str,
+    body: bytes | dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+    method: str = "POST",
+) -> Reply:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data if method == "POST" else None,
-                                     method=method,
-                                     headers={"content-type": "application/json",
-                                              **(headers or {})})
+    request = urllib.request.Request(
+        url,
+        data=data if method == "POST" else None,
+        method=method,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
-            return Reply(response.status, {k.lower(): v for k, v in response.headers.items()},
-                         response.read())
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return Reply(
+                response.status,
+                {k.lower(): v for k, v in response.headers.items()},
+                response.read(),
+            )
     except urllib.error.HTTPError as exc:
         return Reply(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
 
@@ -63,14 +73,18 @@ ZONE_PROFILE = {
 @pytest.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
 def stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
     """Four endpoints behind the default profile, for each request body mode."""
-    with LocalStack(sims=4, body_mode=request.param, time_scale=0.02,
-                    sim_args=("--num-gpu-blocks", "4096")) as local:
+    with LocalStack(
+        sims=4, body_mode=request.param, time_scale=0.02, sim_args=("--num-gpu-blocks", "4096")
+    ) as local:
         yield local
 
 
 @pytest.fixture(scope="module")
 def zone_stack() -> Iterator[LocalStack]:
-    sims = [SimSpec(labels={"zone": "a"}), SimSpec(labels={"zone": "a"}),
-            SimSpec(labels={"zone": "b"})]
+    sims = [
+        SimSpec(labels={"zone": "a"}),
+        SimSpec(labels={"zone": "a"}),
+        SimSpec(labels={"zone": "b"}),
+    ]
     with LocalStack(sims=sims, picker_config=ZONE_PROFILE, time_scale=0.02) as local:
         yield local

@@ -24,8 +24,11 @@ def test_request_reaches_the_picked_endpoint_not_the_client_header(
 ) -> None:
     zone_a, _, zone_b = zone_stack.sim_addresses
     for i in range(6):
-        reply = post(zone_stack.url + "/v1/completions", completion(f"q{i} " * 30),
-                     headers={"x-gateway-destination-endpoint": zone_a})
+        reply = post(
+            zone_stack.url + "/v1/completions",
+            completion(f"q{i} " * 30),
+            headers={"x-gateway-destination-endpoint": zone_a},
+        )
         assert reply.status == 200, reply.body
         assert reply.headers[SERVED_BY] == zone_b
     metrics = zone_stack.picker_metrics_text()
@@ -50,8 +53,9 @@ def test_shared_prefix_sticks_distinct_prefixes_spread(stack: LocalStack) -> Non
 
 
 def test_streaming_responses_arrive_complete(stack: LocalStack) -> None:
-    body = completion("stream me " * 40, stream=True, max_tokens=12,
-                      stream_options={"include_usage": True})
+    body = completion(
+        "stream me " * 40, stream=True, max_tokens=12, stream_options={"include_usage": True}
+    )
     reply = post(stack.url + "/v1/completions", body)
     assert reply.status == 200
     assert reply.headers["content-type"].startswith("text/event-stream")
@@ -64,9 +68,14 @@ def test_streaming_responses_arrive_complete(stack: LocalStack) -> None:
 
 
 def test_chat_completions_route(stack: LocalStack) -> None:
-    body = {"model": "sim-model", "max_tokens": 3,
-            "messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
+    body = {
+        "model": "sim-model",
+        "max_tokens": 3,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+        ],
+    }
     reply = post(stack.url + "/v1/chat/completions", body)
     assert reply.status == 200, reply.body
     assert reply.json()["object"] == "chat.completion"
@@ -103,9 +112,10 @@ def test_bodyless_request_passes_through(stack: LocalStack) -> None:
 
 def test_concurrent_load_completes_without_errors(stack: LocalStack) -> None:
     rng = random.Random(3)
-    requests = [WorkloadRequest("/v1/completions",
-                                completion(words(rng, 200), stream=bool(i % 2)))
-                for i in range(60)]
+    requests = [
+        WorkloadRequest("/v1/completions", completion(words(rng, 200), stream=bool(i % 2)))
+        for i in range(60)
+    ]
     outcomes = asyncio.run(replay(stack.url, requests, concurrency=12, timeout_s=60))
     assert [o.error for o in outcomes if not o.ok] == []
     metrics = stack.picker_metrics_text()
@@ -128,8 +138,10 @@ def test_endpoint_that_dies_stops_receiving_traffic() -> None:
         victim.stop()
         # The next scrapes mark it not ready; requests then all go to the survivor.
         local.picker.wait_until(  # type: ignore[union-attr]
-            lambda: f'kv_picker_endpoints{{state="ready"}} 1.0' in local.picker_metrics_text(),
-            10.0, "the dead endpoint to be marked not ready")
+            lambda: 'kv_picker_endpoints{state="ready"} 1.0' in local.picker_metrics_text(),
+            10.0,
+            "the dead endpoint to be marked not ready",
+        )
         for i in range(6):
             reply = post(local.url + "/v1/completions", completion(f"after {i} " * 20))
             assert reply.status == 200

@@ -17,7 +17,9 @@ def body(**fields: object) -> bytes:
 
 
 def test_completion_string_prompt() -> None:
-    request = parse_request(body(model="m", prompt="abc", stream=True, cache_salt="t1"), COMPLETIONS)
+    request = parse_request(
+        body(model="m", prompt="abc", stream=True, cache_salt="t1"), COMPLETIONS
+    )
     assert (request.model, request.kind, request.prompt) == ("m", "completions", "abc")
     assert request.stream is True
     assert request.cache_salt == "t1"
@@ -33,7 +35,10 @@ def test_completion_list_prompts_and_token_ids() -> None:
 def test_chat_string_and_parts_render_in_order() -> None:
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        },
         {"role": "assistant", "content": None},
     ]
     request = parse_request(body(model="m", messages=messages), CHAT)
@@ -79,9 +84,16 @@ def test_bad_completions_are_400(raw: bytes, fragment: str) -> None:
 
 @pytest.mark.parametrize(
     "messages",
-    [None, [], "hi", [1], [{"content": "x"}], [{"role": "user", "content": 5}],
-     [{"role": "user", "content": [{"text": "no type"}]}],
-     [{"role": "user", "content": [{"type": "text", "text": 3}]}]],
+    [
+        None,
+        [],
+        "hi",
+        [1],
+        [{"content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"text": "no type"}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+    ],
 )
 def test_bad_chat_is_400(messages: object) -> None:
     with pytest.raises(BadRequestError):
@@ -120,12 +132,20 @@ def test_any_bytes_parse_or_fail_cleanly(raw: bytes) -> None:
         assert request.model
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                    lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.sampled_from(["model", "prompt", "messages", "role",
-                                                       "content", "type", "text"]), inner,
-                                      max_size=4),
-                    max_leaves=20))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(["model", "prompt", "messages", "role", "content", "type", "text"]),
+                inner,
+                max_size=4,
+            )
+        ),
+        max_leaves=20,
+    )
+)
 def test_any_json_document_parses_or_fails_cleanly(document: object) -> None:
     raw = json.dumps(document).encode()
     for headers in (COMPLETIONS, CHAT, {":path": "/v1/embeddings"}):

@@ -5,7 +5,13 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from picker.config import PickerConfig, load_config, parse_config, parse_config_text, parse_duration_s
+from picker.config import (
+    PickerConfig,
+    load_config,
+    parse_config,
+    parse_config_text,
+    parse_duration_s,
+)
 from picker.errors import ConfigError
 from picker.scheduling.registry import builtin_registry
 
@@ -37,8 +43,12 @@ def test_documented_shape_loads() -> None:
     assert config.endpoints[0].labels == {"llm-d.ai/role": "both"}
     (profile,) = config.profiles
     weights = {entry.plugin_ref: entry.weight for entry in profile.entries}
-    assert weights == {"prefix-cache-scorer": 3.0, "queue-scorer": 2.0,
-                       "kv-cache-utilization-scorer": 2.0, "max-score-picker": 1.0}
+    assert weights == {
+        "prefix-cache-scorer": 3.0,
+        "queue-scorer": 2.0,
+        "kv-cache-utilization-scorer": 2.0,
+        "max-score-picker": 1.0,
+    }
 
 
 def test_upstream_header_and_ignored_sections_accepted() -> None:
@@ -49,22 +59,30 @@ def test_upstream_header_and_ignored_sections_accepted() -> None:
 def test_empty_config_is_the_builtin_default() -> None:
     config = parse_config_text("", REGISTRY)
     refs = [entry.plugin_ref for entry in config.profiles[0].entries]
-    assert refs[:4] == ["prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer",
-                        "active-request-scorer"]
+    assert refs[:4] == [
+        "prefix-cache-scorer",
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "active-request-scorer",
+    ]
     assert config == parse_config({}, REGISTRY, source="<text>")
 
 
 def test_no_profiles_means_one_default_profile_with_every_plugin() -> None:
-    config = parse_config({"plugins": [{"type": "queue-scorer"}, {"type": "random-picker"}]},
-                          REGISTRY)
+    config = parse_config(
+        {"plugins": [{"type": "queue-scorer"}, {"type": "random-picker"}]}, REGISTRY
+    )
     assert [e.plugin_ref for e in config.profiles[0].entries] == ["queue-scorer", "random-picker"]
 
 
 def test_picker_added_when_profile_has_none() -> None:
-    config = parse_config({"plugins": [{"type": "queue-scorer"}],
-                           "schedulingProfiles": [{"name": "p",
-                                                   "plugins": [{"pluginRef": "queue-scorer"}]}]},
-                          REGISTRY)
+    config = parse_config(
+        {
+            "plugins": [{"type": "queue-scorer"}],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "queue-scorer"}]}],
+        },
+        REGISTRY,
+    )
     assert config.profiles[0].entries[-1].plugin_ref == "max-score-picker"
 
 
@@ -81,29 +99,59 @@ def test_durations() -> None:
 @pytest.mark.parametrize(
     ("document", "fragments"),
     [
-        ({"plugins": [{"type": "nope-scorer"}]},
-         ["plugins[0] (nope-scorer)", "unknown plugin type", "queue-scorer"]),
-        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSize": 4}}]},
-         ["prefix-cache-scorer", "blockSize", "known: blockSizeChars"]),
-        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": "x"}}]},
-         ["prefix-cache-scorer", "blockSizeChars", "integer"]),
-        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": 0}}]},
-         ["prefix-cache-scorer", "blockSizeChars"]),
-        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "exact"}}]},
-         ["mode"]),
-        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "precise"}}]},
-         ["precise", "not"]),
+        (
+            {"plugins": [{"type": "nope-scorer"}]},
+            ["plugins[0] (nope-scorer)", "unknown plugin type", "queue-scorer"],
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSize": 4}}]},
+            ["prefix-cache-scorer", "blockSize", "known: blockSizeChars"],
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": "x"}}]},
+            ["prefix-cache-scorer", "blockSizeChars", "integer"],
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": 0}}]},
+            ["prefix-cache-scorer", "blockSizeChars"],
+        ),
+        ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "exact"}}]}, ["mode"]),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "precise"}}]},
+            ["precise", "not"],
+        ),
         ({"plugins": [{"type": "queue-scorer"}, {"type": "queue-scorer"}]}, ["used twice"]),
-        ({"plugins": [{"type": "queue-scorer"}],
-          "schedulingProfiles": [{"name": "d", "plugins": [{"pluginRef": "missing"}]}]},
-         ["schedulingProfiles[0] (d).plugins[0].pluginRef", "missing", "declared: queue-scorer"]),
-        ({"plugins": [{"type": "queue-scorer"}],
-          "schedulingProfiles": [{"name": "d", "plugins": [{"pluginRef": "queue-scorer",
-                                                            "weight": -1}]}]}, ["weight"]),
-        ({"plugins": [{"type": "random-picker"}, {"type": "max-score-picker"}],
-          "schedulingProfiles": [{"name": "d", "plugins": [{"pluginRef": "random-picker"},
-                                                           {"pluginRef": "max-score-picker"}]}]},
-         ["more than one picker"]),
+        (
+            {
+                "plugins": [{"type": "queue-scorer"}],
+                "schedulingProfiles": [{"name": "d", "plugins": [{"pluginRef": "missing"}]}],
+            },
+            ["schedulingProfiles[0] (d).plugins[0].pluginRef", "missing", "declared: queue-scorer"],
+        ),
+        (
+            {
+                "plugins": [{"type": "queue-scorer"}],
+                "schedulingProfiles": [
+                    {"name": "d", "plugins": [{"pluginRef": "queue-scorer", "weight": -1}]}
+                ],
+            },
+            ["weight"],
+        ),
+        (
+            {
+                "plugins": [{"type": "random-picker"}, {"type": "max-score-picker"}],
+                "schedulingProfiles": [
+                    {
+                        "name": "d",
+                        "plugins": [
+                            {"pluginRef": "random-picker"},
+                            {"pluginRef": "max-score-picker"},
+                        ],
+                    }
+                ],
+            },
+            ["more than one picker"],
+        ),
         ({"endpoints": [{"address": "localhost:80"}]}, ["endpoints[0].address", "IP"]),
         ({"endpoints": [{"address": "10.0.0.1"}]}, ["endpoints[0].address"]),
         ({"endpoints": [{"address": "10.0.0.1:0"}]}, ["port"]),
@@ -132,25 +180,49 @@ def test_bad_configs_name_the_field(document: dict[str, object], fragments: list
 
 
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="missing.yaml"):
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
         load_config(tmp_path / "missing.yaml", REGISTRY)
     bad = tmp_path / "bad.yaml"
     bad.write_text("plugins: [\n")
-    with pytest.raises(ConfigError, match="bad.yaml.*YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*YAML"):
         load_config(bad, REGISTRY)
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(yaml.safe_dump({"plugins": [{"type": "x"}]}))
-    with pytest.raises(ConfigError, match="wrong.yaml.*unknown plugin type"):
+    with pytest.raises(ConfigError, match=r"wrong\.yaml.*unknown plugin type"):
         load_config(wrong, REGISTRY)
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.sampled_from(
-                        ["plugins", "schedulingProfiles", "type", "name", "pluginRef", "weight",
-                         "parameters", "server", "endpoints", "address", "metrics", "grpcPort",
-                         "labels", "models"]), inner, max_size=4),
-                    max_leaves=25))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "plugins",
+                        "schedulingProfiles",
+                        "type",
+                        "name",
+                        "pluginRef",
+                        "weight",
+                        "parameters",
+                        "server",
+                        "endpoints",
+                        "address",
+                        "metrics",
+                        "grpcPort",
+                        "labels",
+                        "models",
+                    ]
+                ),
+                inner,
+                max_size=4,
+            )
+        ),
+        max_leaves=25,
+    )
+)
 def test_garbage_documents_give_config_errors_only(document: object) -> None:
     try:
         config = parse_config(document, REGISTRY)

@@ -17,7 +17,12 @@ def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyp
 
 def test_queue_min_max() -> None:
     store = make_store(4, waiting=[0, 2, 4, 4])
-    assert scores(QueueScorer("q", QueueParams(), make_context(store)), store) == [1.0, 0.5, 0.0, 0.0]
+    assert scores(QueueScorer("q", QueueParams(), make_context(store)), store) == [
+        1.0,
+        0.5,
+        0.0,
+        0.0,
+    ]
     equal = make_store(3, waiting=[3, 3, 3])
     assert scores(QueueScorer("q", QueueParams(), make_context(equal)), equal) == [1.0] * 3
 
@@ -59,8 +64,12 @@ def test_prefix_affinity_through_scheduler() -> None:
     store = make_store(4)
     scheduler = make_scheduler({}, store, seed=3)
     shared = "system prompt for group A. " * 40
-    picks = {scheduler.schedule(make_request(shared + f"question {i}"), store.all())
-             .primary.targets[0].address for i in range(10)}
+    picks = {
+        scheduler.schedule(make_request(shared + f"question {i}"), store.all())
+        .primary.targets[0]
+        .address
+        for i in range(10)
+    }
     assert len(picks) == 1
 
 

@@ -15,13 +15,20 @@ from tests.fakes import make_director, make_store
 Mode = processing_mode_pb2.ProcessingMode
 
 
-def headers_message(path="/v1/completions", end_of_stream=False, extra=(), mode=Mode.FULL_DUPLEX_STREAMED,
-                    subset=None):  # type: ignore[no-untyped-def]
-    header_map = base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
-        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-        *[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in extra],
-    ])
+def headers_message(
+    path="/v1/completions",
+    end_of_stream=False,
+    extra=(),
+    mode=Mode.FULL_DUPLEX_STREAMED,
+    subset=None,
+):  # type: ignore[no-untyped-def]
+    header_map = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+            *[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in extra],
+        ]
+    )
     message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=header_map, end_of_stream=end_of_stream),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
@@ -45,12 +52,18 @@ def run(stream: RequestStream, *messages: pb.ProcessingRequest) -> list[pb.Proce
 
 
 def destination(response: pb.ProcessingResponse) -> str:
-    common = (response.request_headers.response if response.HasField("request_headers")
-              else response.request_body.response)
+    common = (
+        response.request_headers.response
+        if response.HasField("request_headers")
+        else response.request_body.response
+    )
     assert common.clear_route_cache
     values = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
     meta = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    assert meta["x-gateway-destination-endpoint"].string_value == values["x-gateway-destination-endpoint"]
+    assert (
+        meta["x-gateway-destination-endpoint"].string_value
+        == values["x-gateway-destination-endpoint"]
+    )
     return values["x-gateway-destination-endpoint"]
 
 
@@ -104,7 +117,10 @@ def test_bodyless_request_goes_to_a_ready_endpoint() -> None:
 
 def test_client_headers_cannot_steer_or_inject() -> None:
     director = make_director(store=make_store(2))
-    extra = [("x-gateway-destination-endpoint", "6.6.6.6:1"), ("x-prefiller-host-port", "6.6.6.6:2")]
+    extra = [
+        ("x-gateway-destination-endpoint", "6.6.6.6:1"),
+        ("x-prefiller-host-port", "6.6.6.6:2"),
+    ]
     out = run(RequestStream(director), headers_message(extra=extra), body_message(BODY))
     assert destination(out[0]) != "6.6.6.6:1"
     assert "x-prefiller-host-port" in out[0].request_headers.response.header_mutation.remove_headers
@@ -113,7 +129,9 @@ def test_client_headers_cannot_steer_or_inject() -> None:
 def test_subset_hint_restricts_and_empty_subset_is_503() -> None:
     director = make_director(store=make_store(4))
     for _ in range(20):
-        out = run(RequestStream(director), headers_message(subset=["10.0.0.3:8000"]), body_message(BODY))
+        out = run(
+            RequestStream(director), headers_message(subset=["10.0.0.3:8000"]), body_message(BODY)
+        )
         assert destination(out[0]) == "10.0.0.3:8000"
     (error,) = run(RequestStream(director), headers_message(subset=[]), body_message(BODY))
     assert error.immediate_response.status.code == 503
@@ -121,8 +139,11 @@ def test_subset_hint_restricts_and_empty_subset_is_503() -> None:
 
 @pytest.mark.parametrize(
     ("body", "status", "reason"),
-    [(b"{oops", 400, "bad-request"), (b'{"prompt": "x"}', 400, "bad-request"),
-     (b"", 400, "bad-request")],
+    [
+        (b"{oops", 400, "bad-request"),
+        (b'{"prompt": "x"}', 400, "bad-request"),
+        (b"", 400, "bad-request"),
+    ],
 )
 def test_errors_are_immediate_json_responses(body: bytes, status: int, reason: str) -> None:
     stream = RequestStream(make_director())
@@ -156,19 +177,31 @@ def test_response_sse_echoed_chunk_for_chunk_and_usage_read() -> None:
     director = make_director()
     stream = RequestStream(director)
     run(stream, headers_message(), body_message(BODY))
-    response_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=":status", raw_value=b"200"),
-            base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")])))
+    response_headers = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+                    base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream"),
+                ]
+            )
+        )
+    )
     (reply,) = run(stream, response_headers)
     assert reply.HasField("response_headers")
-    events = [b'data: {"choices":[{"text":"a"}]}\n\n',
-              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
-              b'"prompt_tokens_details":{"cached_tokens":4}}}\n\ndata: [DONE]\n\n']
+    events = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
+        b'"prompt_tokens_details":{"cached_tokens":4}}}\n\ndata: [DONE]\n\n',
+    ]
     echoed = []
     for i, event in enumerate(events):
-        (out,) = run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(
-            body=event, end_of_stream=i == len(events) - 1)))
+        (out,) = run(
+            stream,
+            pb.ProcessingRequest(
+                response_body=pb.HttpBody(body=event, end_of_stream=i == len(events) - 1)
+            ),
+        )
         echoed.append(out.response_body.response.body_mutation.streamed_response)
     assert [e.body for e in echoed] == events
     assert [e.end_of_stream for e in echoed] == [False, True]

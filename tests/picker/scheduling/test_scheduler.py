@@ -10,12 +10,21 @@ from tests.fakes import make_context, make_request, make_scheduler, make_store
 
 def test_weights_multiply_clamped_scores_and_sum() -> None:
     store = make_store(3, waiting=[0, 5, 10], kv_usage=[0.9, 0.5, 0.0])
-    scheduler = make_scheduler({
-        "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}],
-        "schedulingProfiles": [{"name": "default", "plugins": [
-            {"pluginRef": "queue-scorer", "weight": 2},
-            {"pluginRef": "kv-cache-utilization-scorer", "weight": 3}]}],
-    }, store)
+    scheduler = make_scheduler(
+        {
+            "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "queue-scorer", "weight": 2},
+                        {"pluginRef": "kv-cache-utilization-scorer", "weight": 3},
+                    ],
+                }
+            ],
+        },
+        store,
+    )
     result = scheduler.schedule(make_request(), store.all(), explain=True)
     totals = result.primary.totals
     assert totals == pytest.approx([2 * 1.0 + 3 * 0.1, 2 * 0.5 + 3 * 0.5, 2 * 0.0 + 3 * 1.0])
@@ -26,9 +35,12 @@ def test_weights_multiply_clamped_scores_and_sum() -> None:
 
 def test_filter_removing_everything_is_429() -> None:
     store = make_store(2)
-    scheduler = make_scheduler({
-        "plugins": [{"type": "prefill-filter"}, {"type": "queue-scorer"}],
-    }, store)
+    scheduler = make_scheduler(
+        {
+            "plugins": [{"type": "prefill-filter"}, {"type": "queue-scorer"}],
+        },
+        store,
+    )
     with pytest.raises(SaturatedError) as info:
         scheduler.schedule(make_request(), store.all())
     assert info.value.status == 429 and "prefill-filter" in info.value.message
@@ -36,13 +48,17 @@ def test_filter_removing_everything_is_429() -> None:
 
 def test_decode_filter_lets_unlabelled_pass_prefill_requires_label() -> None:
     store = make_store(3, labels=[{"llm-d.ai/role": "prefill"}, {}, {"llm-d.ai/role": "decode"}])
-    decode = make_scheduler({"plugins": [{"type": "decode-filter"}, {"type": "random-picker"}]},
-                            store)
-    seen = {decode.schedule(make_request(), store.all()).primary.targets[0].address
-            for _ in range(50)}
+    decode = make_scheduler(
+        {"plugins": [{"type": "decode-filter"}, {"type": "random-picker"}]}, store
+    )
+    seen = {
+        decode.schedule(make_request(), store.all()).primary.targets[0].address for _ in range(50)
+    }
     assert seen == {"10.0.0.2:8000", "10.0.0.3:8000"}
     prefill = make_scheduler({"plugins": [{"type": "prefill-filter"}]}, store)
-    assert prefill.schedule(make_request(), store.all()).primary.targets[0].address == "10.0.0.1:8000"
+    assert (
+        prefill.schedule(make_request(), store.all()).primary.targets[0].address == "10.0.0.1:8000"
+    )
 
 
 def test_max_score_ties_break_randomly_but_repeatably() -> None:
@@ -50,7 +66,9 @@ def test_max_score_ties_break_randomly_but_repeatably() -> None:
     picks = []
     for _ in range(2):
         picker = MaxScorePicker("p", PickerParams(), make_context(store, seed=42))
-        picks.append([picker.pick(make_request(), store.all(), [1.0] * 4)[0].id for _ in range(200)])
+        picks.append(
+            [picker.pick(make_request(), store.all(), [1.0] * 4)[0].id for _ in range(200)]
+        )
     assert picks[0] == picks[1]
     counts = Counter(picks[0])
     assert len(counts) == 4 and min(counts.values()) > 25
@@ -66,12 +84,14 @@ def test_max_score_multiple_endpoints_ordered() -> None:
 def test_weighted_random_follows_weights_and_skips_zero() -> None:
     store = make_store(3)
     picker = WeightedRandomPicker("p", PickerParams(), make_context(store, seed=1))
-    counts = Counter(picker.pick(make_request(), store.all(), [3.0, 1.0, 0.0])[0].id
-                     for _ in range(4000))
+    counts = Counter(
+        picker.pick(make_request(), store.all(), [3.0, 1.0, 0.0])[0].id for _ in range(4000)
+    )
     assert counts[2] == 0
     assert math.isclose(counts[0] / counts[1], 3.0, rel_tol=0.2)
-    all_zero = Counter(picker.pick(make_request(), store.all(), [0.0, 0.0, 0.0])[0].id
-                       for _ in range(300))
+    all_zero = Counter(
+        picker.pick(make_request(), store.all(), [0.0, 0.0, 0.0])[0].id for _ in range(300)
+    )
     assert len(all_zero) == 3
 
 

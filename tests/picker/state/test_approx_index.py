@@ -5,7 +5,9 @@ from picker.state.approx_index import ApproximatePrefixIndex
 from picker.state.hashing import char_block_keys, request_seed
 
 
-def brute_force_runs(held: dict[int, list[int]], keys: list[int], candidates: set[int]) -> dict[int, int]:
+def brute_force_runs(
+    held: dict[int, list[int]], keys: list[int], candidates: set[int]
+) -> dict[int, int]:
     runs = {}
     for endpoint in candidates:
         have = set(held.get(endpoint, []))
@@ -26,8 +28,12 @@ operations = st.lists(
 
 
 @settings(max_examples=200)
-@given(operations, st.lists(st.integers(0, 12), max_size=10), st.sets(st.integers(0, 5)),
-       st.integers(1, 6))
+@given(
+    operations,
+    st.lists(st.integers(0, 12), max_size=10),
+    st.sets(st.integers(0, 5)),
+    st.integers(1, 6),
+)
 def test_matches_brute_force_lru_model(
     ops: list[tuple[int, list[int]]], query: list[int], candidates: set[int], capacity: int
 ) -> None:

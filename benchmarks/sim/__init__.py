@@ -1,0 +1,76 @@
+"""Simulated vLLM endpoint: stands in for GPU pods in tests, the demo and benchmarks.
+
+Layers, each usable on its own:
+
+- :mod:`~benchmarks.sim.tokenizer`: deterministic built-in tokenizer and chat template.
+- :mod:`~benchmarks.sim.cache`: vLLM-compatible block hashing and the finite prefix cache.
+- :mod:`~benchmarks.sim.engine`: pure continuous-batching and timing model (clock injected),
+  shared with the offline cluster simulator.
+- :mod:`~benchmarks.sim.server`: the aiohttp OpenAI-compatible server, ``/metrics`` and the
+  command line (``python -m benchmarks.sim --port 8000``).
+"""
+
+from benchmarks.sim.cache import (
+    HASH_ALGO,
+    BlockHasher,
+    CacheEventListener,
+    PrefixCache,
+    StoredBlock,
+)
+from benchmarks.sim.engine import (
+    DEFAULT_NUM_GPU_BLOCKS,
+    HARDWARE_CLASSES,
+    EngineConfig,
+    EngineStats,
+    FinishedRequest,
+    HardwareClass,
+    RequestRejected,
+    SimEngine,
+    StepResult,
+    TimingModel,
+    TokenEvent,
+    hardware_class,
+)
+from benchmarks.sim.server import (
+    ENDPOINT_HEADER,
+    ROLES,
+    SimEndpoint,
+    SimEndpointConfig,
+    build_parser,
+    main,
+    serve,
+    start_sim_endpoint,
+)
+from benchmarks.sim.tokenizer import VOCAB_SIZE, decode, encode, render_chat
+
+__all__ = [
+    "DEFAULT_NUM_GPU_BLOCKS",
+    "ENDPOINT_HEADER",
+    "HARDWARE_CLASSES",
+    "HASH_ALGO",
+    "ROLES",
+    "VOCAB_SIZE",
+    "BlockHasher",
+    "CacheEventListener",
+    "EngineConfig",
+    "EngineStats",
+    "FinishedRequest",
+    "HardwareClass",
+    "PrefixCache",
+    "RequestRejected",
+    "SimEndpoint",
+    "SimEndpointConfig",
+    "SimEngine",
+    "StepResult",
+    "StoredBlock",
+    "TimingModel",
+    "TokenEvent",
+    "build_parser",
+    "decode",
+    "encode",
+    "hardware_class",
+    "main",
+    "render_chat",
+    "serve",
+    "start_sim_endpoint",
+]

@@ -1,0 +1,5 @@
+"""``python -m benchmarks.sim``: run one simulated vLLM endpoint."""
+
+from benchmarks.sim.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,592 @@
+"""Timing and scheduling model of a simulated vLLM engine (pure, synchronous, clock injected).
+
+The engine does no I/O and never reads a clock: the caller passes the model time ``now_s`` to
+:meth:`SimEngine.add_request` and :meth:`SimEngine.step`, and advances its own clock by the
+returned step duration. The HTTP server drives it in real time (scaled), the offline cluster
+simulator drives it from an event queue, and both see the same cache and timing behaviour.
+
+Scheduling follows vLLM v1 at the level a router can observe:
+
+    waiting (FIFO) ──admit when the blocks fit──> running (≤ max_num_seqs) ──max_tokens──> done
+                                                    │
+    each step: running requests first (prefill chunk or one decode token each), then admit
+    waiting ones, all within a budget of max_num_batched_tokens tokens (chunked prefill)
+
+- At admission a request pins its cached leading blocks and reserves slots for the rest of its
+  prompt and its whole output, so no request is ever preempted. A request waits while its
+  blocks do not fit; one that could never fit, even in an empty cache, is rejected up front.
+- Like vLLM, at most ``prompt_len - 1`` tokens are served from the cache: the last prompt
+  token is always recomputed to produce the first output token.
+- Step duration (model seconds)::
+
+      (step_base_s + step_per_seq_s * num_scheduled_seqs) / decode_speed
+      + num_prefill_tokens / (prefill_tokens_per_s * prefill_speed)
+
+  so prefill time grows with the *uncached* prompt tokens only and a decode step grows with
+  the batch size. ``decode_speed`` and ``prefill_speed`` come from the hardware class.
+- Output tokens are pseudo-random but deterministic (seeded by the prompt and ``seed``), and
+  every request generates exactly ``max_tokens`` tokens (finish reason ``length``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import xxhash
+
+from benchmarks.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
+from benchmarks.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
+
+DEFAULT_NUM_GPU_BLOCKS = 2048
+"""KV capacity (blocks) of the reference hardware class when none is configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareClass:
+    """Relative performance of one accelerator type, against an H100 (1.0).
+
+    Attributes:
+        name: The class name used on the command line and in endpoint labels.
+        prefill_speed: Multiplies the prefill rate in tokens/s.
+        decode_speed: Divides the step time of the forward pass.
+        kv_capacity: Multiplies the default KV capacity in blocks.
+    """
+
+    name: str
+    prefill_speed: float
+    decode_speed: float
+    kv_capacity: float
+
+
+H100 = HardwareClass("H100", prefill_speed=1.0, decode_speed=1.0, kv_capacity=1.0)
+
+HARDWARE_CLASSES: Mapping[str, HardwareClass] = MappingProxyType(
+    {
+        "H100": H100,
+        "H200": HardwareClass("H200", prefill_speed=1.0, decode_speed=1.3, kv_capacity=1.75),
+        "A100": HardwareClass("A100", prefill_speed=0.6, decode_speed=0.6, kv_capacity=1.0),
+        "L4": HardwareClass("L4", prefill_speed=0.25, decode_speed=0.3, kv_capacity=0.25),
+        "default": H100,
+    }
+)
+"""Built-in hardware classes by name; ``default`` is the H100."""
+
+
+def hardware_class(name: str) -> HardwareClass:
+    """Looks up a built-in hardware class.
+
+    Args:
+        name: A key of :data:`HARDWARE_CLASSES` (case-sensitive).
+
+    Returns:
+        The class.
+
+    Raises:
+        ValueError: If the name is unknown; the message lists the known names.
+    """
+    try:
+        return HARDWARE_CLASSES[name]
+    except KeyError:
+        known = ", ".join(sorted(HARDWARE_CLASSES))
+        raise ValueError(f"unknown hardware class {name!r}; known: {known}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TimingModel:
+    """Base figures of the reference hardware (H100, one model), in model seconds.
+
+    Attributes:
+        prefill_tokens_per_s: Prefill throughput.
+        step_base_s: Forward-pass time of a step with one sequence.
+        step_per_seq_s: Extra step time per further scheduled sequence.
+    """
+
+    prefill_tokens_per_s: float = 10_000.0
+    step_base_s: float = 0.020
+    step_per_seq_s: float = 0.0005
+
+    def step_duration_s(
+        self, hardware: HardwareClass, num_prefill_tokens: int, num_seqs: int
+    ) -> float:
+        """Duration of one engine step.
+
+        Args:
+            hardware: The hardware class running it.
+            num_prefill_tokens: Prompt tokens computed in the step (cache hits excluded).
+            num_seqs: Sequences scheduled in the step (prefill chunks and decodes).
+
+        Returns:
+            Model seconds; 0.0 for an empty step.
+        """
+        if num_seqs <= 0:
+            return 0.0
+        forward_s = (self.step_base_s + self.step_per_seq_s * (num_seqs - 1)) / (
+            hardware.decode_speed
+        )
+        prefill_s = num_prefill_tokens / (self.prefill_tokens_per_s * hardware.prefill_speed)
+        return forward_s + prefill_s
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Static configuration of one simulated engine.
+
+    Attributes:
+        block_size: Tokens per KV block.
+        num_gpu_blocks: KV capacity in blocks; ``None`` scales :data:`DEFAULT_NUM_GPU_BLOCKS`
+            by the hardware class's ``kv_capacity``.
+        max_num_seqs: Most requests running at once.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
+        max_model_len: Longest prompt plus output, in tokens.
+        hardware: Hardware class.
+        timing: Base timing figures.
+        hash_seed: ``PYTHONHASHSEED`` string of the emulated pod (root of the block hashes).
+        seed: Seed of the generated output tokens.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32_768
+    hardware: HardwareClass = H100
+    timing: TimingModel = TimingModel()
+    hash_seed: str = "0"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
+
+    @property
+    def resolved_num_gpu_blocks(self) -> int:
+        """The KV capacity in blocks after applying the hardware default."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        return max(1, round(DEFAULT_NUM_GPU_BLOCKS * self.hardware.kv_capacity))
+
+
+class RequestRejected(ValueError):
+    """A request that the engine can never serve (empty, too long, larger than the cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        req_id: The request.
+        token_id: The generated id.
+        index: Position in the output, 0 for the first token.
+        time_s: Model time at which the token was produced (end of its step).
+        finished: Whether this is the request's last token.
+    """
+
+    req_id: str
+    token_id: int
+    index: int
+    time_s: float
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """Summary of a request that left the engine.
+
+    Attributes:
+        req_id: The request.
+        finish_reason: ``"length"`` (generated ``max_tokens``) or ``"abort"``.
+        num_prompt_tokens: Prompt length.
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+        num_output_tokens: Tokens generated.
+        arrival_s: Model time it was added.
+        scheduled_s: Model time it was admitted, ``None`` if it never was.
+        first_token_s: Model time of its first token, ``None`` if none.
+        finish_s: Model time it left.
+    """
+
+    req_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    arrival_s: float
+    scheduled_s: float | None
+    first_token_s: float | None
+    finish_s: float
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token in model seconds, ``None`` if no token was produced."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        """End-to-end latency in model seconds."""
+        return self.finish_s - self.arrival_s
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one engine step did.
+
+    Attributes:
+        start_s: Model time the step started.
+        duration_s: Model seconds it took; 0.0 when there was nothing to do.
+        num_prefill_tokens: Prompt tokens computed.
+        num_decode_seqs: Sequences that decoded one token.
+        tokens: Tokens produced, available at ``end_s``.
+        finished: Requests that finished at ``end_s``.
+    """
+
+    start_s: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    tokens: list[TokenEvent]
+    finished: list[FinishedRequest]
+
+    @property
+    def end_s(self) -> float:
+        """Model time the step's tokens become available."""
+        return self.start_s + self.duration_s
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Monotonic counters of one engine (the sources of vLLM's counters).
+
+    Attributes:
+        prompt_tokens: Prompt tokens of requests whose prefill completed (cached ones included).
+        generation_tokens: Output tokens generated.
+        finished_by_reason: Finished requests per finish reason.
+    """
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    block_keys: list[int]
+    lora_name: str | None
+    arrival_s: float
+    output_seed: int
+    num_blocks_total: int
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Leading entries of block_keys on which this request holds a cache reference.
+    num_held_keys: int = 0
+    num_private_blocks: int = 0
+    num_output_tokens: int = 0
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
+
+
+_EMPTY_TOKENS: list[TokenEvent] = []
+_EMPTY_FINISHED: list[FinishedRequest] = []
+_OUTPUT_SPAN = VOCAB_SIZE - RESERVED_IDS
+
+
+class SimEngine:
+    """A continuous-batching engine with a prefix cache and a timing model.
+
+    See the module docstring for the model. All times are model seconds supplied by the
+    caller; the engine never reads a clock.
+    """
+
+    def __init__(self, config: EngineConfig, listener: CacheEventListener | None = None) -> None:
+        """Creates an idle engine with an empty cache.
+
+        Args:
+            config: Static configuration.
+            listener: Optional receiver of the cache's stored/removed/cleared notifications.
+        """
+        self.config = config
+        self.hasher = BlockHasher(config.block_size, config.hash_seed)
+        self.cache = PrefixCache(config.resolved_num_gpu_blocks, listener)
+        self.stats = EngineStats()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+
+    # ----------------------------------------------------------------------------- state
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added but not admitted yet."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._running)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether :meth:`step` would do anything."""
+        return bool(self._waiting or self._running)
+
+    def lora_names(self) -> tuple[set[str], set[str]]:
+        """Returns the LoRA adapters of (running, waiting) requests."""
+        running = {r.lora_name for r in self._running if r.lora_name}
+        waiting = {r.lora_name for r in self._waiting if r.lora_name}
+        return running, waiting
+
+    def prefill_duration_s(self, num_uncached_tokens: int) -> float:
+        """Model seconds an otherwise idle engine needs to prefill a prompt.
+
+        Args:
+            num_uncached_tokens: Prompt tokens not served from the cache.
+        """
+        return self.config.timing.step_duration_s(self.config.hardware, num_uncached_tokens, 1)
+
+    # -------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        now_s: float,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Queues a request.
+
+        Args:
+            req_id: Unique id among requests in the engine.
+            prompt_token_ids: The prompt (at least one token).
+            max_tokens: Tokens to generate (at least one).
+            now_s: Model time of arrival.
+            cache_salt: Optional salt isolating the request's cached blocks.
+            lora_name: Optional LoRA adapter (part of the block hashes, as in vLLM).
+
+        Raises:
+            RequestRejected: If the request can never be served.
+            ValueError: If ``req_id`` is already in the engine.
+        """
+        if req_id in self._by_id:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        config = self.config
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        if max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
+        if num_prompt_tokens + max_tokens > config.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {config.max_model_len} tokens; "
+                f"the request has {num_prompt_tokens} prompt tokens and asks for "
+                f"{max_tokens} more"
+            )
+        # KV exists for every token but the last generated one.
+        num_kv_tokens = num_prompt_tokens + max_tokens - 1
+        num_blocks_total = -(-num_kv_tokens // config.block_size)
+        if num_blocks_total > self.cache.num_gpu_blocks:
+            raise RequestRejected(
+                f"the request needs {num_blocks_total} KV blocks; the cache holds "
+                f"{self.cache.num_gpu_blocks}"
+            )
+        prompt = list(prompt_token_ids)
+        keys = self.hasher.block_keys(prompt, lora_name=lora_name, cache_salt=cache_salt)
+        output_seed = xxhash.xxh32_intdigest(
+            array("I", prompt).tobytes(), seed=config.seed & 0xFFFFFFFF
+        )
+        request = _Request(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            block_keys=keys,
+            lora_name=lora_name,
+            arrival_s=now_s,
+            output_seed=output_seed,
+            num_blocks_total=num_blocks_total,
+        )
+        self._by_id[req_id] = request
+        self._waiting.append(request)
+
+    def abort_request(self, req_id: str, now_s: float) -> FinishedRequest | None:
+        """Removes a request (e.g. its client went away) and frees its blocks.
+
+        Args:
+            req_id: The request.
+            now_s: Model time of the abort.
+
+        Returns:
+            Its summary with finish reason ``"abort"``, or ``None`` if it is not in the engine.
+        """
+        request = self._by_id.pop(req_id, None)
+        if request is None:
+            return None
+        if request.scheduled_s is None:
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self._release(request)
+        return self._finish(request, "abort", now_s)
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block no running request holds; returns how many."""
+        return self.cache.reset()
+
+    # ------------------------------------------------------------------------------ step
+
+    def step(self, now_s: float) -> StepResult:
+        """Schedules and runs one step starting at ``now_s``.
+
+        The returned tokens and finished requests take effect at ``result.end_s``; the caller
+        should deliver them once its clock reaches that time and call ``step`` again then.
+
+        Args:
+            now_s: Model time the step starts.
+
+        Returns:
+            The step's duration and outcome.
+        """
+        config = self.config
+        budget_tokens = config.max_num_batched_tokens
+        # (request, prompt tokens computed in this step; 0 means a decode)
+        scheduled: list[tuple[_Request, int]] = []
+        num_prefill_tokens = 0
+        num_decode_seqs = 0
+
+        for request in self._running:
+            if budget_tokens <= 0:
+                break
+            remaining = len(request.prompt_token_ids) - request.num_computed_tokens
+            if remaining > 0:
+                chunk = min(remaining, budget_tokens)
+                scheduled.append((request, chunk))
+                num_prefill_tokens += chunk
+                budget_tokens -= chunk
+            else:
+                scheduled.append((request, 0))
+                num_decode_seqs += 1
+                budget_tokens -= 1
+
+        while self._waiting and budget_tokens > 0 and len(self._running) < config.max_num_seqs:
+            request = self._waiting[0]
+            if not self._admit(request, now_s):
+                # FIFO: a request that does not fit blocks the ones behind it, as in vLLM.
+                break
+            self._waiting.popleft()
+            self._running.append(request)
+            chunk = min(len(request.prompt_token_ids) - request.num_computed_tokens, budget_tokens)
+            scheduled.append((request, chunk))
+            num_prefill_tokens += chunk
+            budget_tokens -= chunk
+
+        if not scheduled:
+            return StepResult(now_s, 0.0, 0, 0, _EMPTY_TOKENS, _EMPTY_FINISHED)
+
+        duration_s = config.timing.step_duration_s(
+            config.hardware, num_prefill_tokens, len(scheduled)
+        )
+        end_s = now_s + duration_s
+        tokens: list[TokenEvent] = []
+        finished: list[FinishedRequest] = []
+        for request, chunk in scheduled:
+            if chunk > 0:
+                self._complete_prefill_chunk(request, chunk)
+                if request.num_computed_tokens < len(request.prompt_token_ids):
+                    continue
+                request.first_token_s = end_s
+                self.stats.prompt_tokens += len(request.prompt_token_ids)
+            index = request.num_output_tokens
+            request.num_output_tokens = index + 1
+            self.stats.generation_tokens += 1
+            done = request.num_output_tokens >= request.max_tokens
+            tokens.append(
+                TokenEvent(request.req_id, self._output_token(request, index), index, end_s, done)
+            )
+            if done:
+                finished.append(self._finish(request, "length", end_s))
+
+        if finished:
+            done_ids = {summary.req_id for summary in finished}
+            self._running = [r for r in self._running if r.req_id not in done_ids]
+            for req_id in done_ids:
+                self._release(self._by_id.pop(req_id))
+        return StepResult(now_s, duration_s, num_prefill_tokens, num_decode_seqs, tokens, finished)
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _admit(self, request: _Request, now_s: float) -> bool:
+        cache = self.cache
+        block_size = self.config.block_size
+        num_prompt_tokens = len(request.prompt_token_ids)
+        # The last prompt token is always recomputed: its logits give the first output token.
+        max_hit_blocks = (num_prompt_tokens - 1) // block_size
+        num_hit_blocks = min(cache.lookup(request.block_keys), max_hit_blocks)
+        hit_keys = request.block_keys[:num_hit_blocks]
+        num_new_blocks = request.num_blocks_total - num_hit_blocks
+        if not cache.allocate(hit_keys, num_new_blocks):
+            return False
+        num_hit_tokens = num_hit_blocks * block_size
+        cache.record_query(num_prompt_tokens, num_hit_tokens)
+        request.num_held_keys = num_hit_blocks
+        request.num_private_blocks = num_new_blocks
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.scheduled_s = now_s
+        return True
+
+    def _complete_prefill_chunk(self, request: _Request, chunk: int) -> None:
+        request.num_computed_tokens += chunk
+        keys = request.block_keys
+        num_full = min(request.num_computed_tokens // self.config.block_size, len(keys))
+        first = request.num_held_keys
+        if num_full <= first:
+            return
+        block_size = self.config.block_size
+        prompt = request.prompt_token_ids
+        blocks = [
+            StoredBlock(
+                keys[index],
+                keys[index - 1] if index > 0 else None,
+                tuple(prompt[index * block_size : (index + 1) * block_size]),
+            )
+            for index in range(first, num_full)
+        ]
+        self.cache.store(blocks)
+        request.num_held_keys = num_full
+        request.num_private_blocks -= len(blocks)
+
+    def _release(self, request: _Request) -> None:
+        self.cache.release(request.block_keys[: request.num_held_keys], request.num_private_blocks)
+        request.num_held_keys = 0
+        request.num_private_blocks = 0
+
+    def _finish(self, request: _Request, reason: str, now_s: float) -> FinishedRequest:
+        by_reason = self.stats.finished_by_reason
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        return FinishedRequest(
+            req_id=request.req_id,
+            finish_reason=reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            arrival_s=request.arrival_s,
+            scheduled_s=request.scheduled_s,
+            first_token_s=request.first_token_s,
+            finish_s=now_s,
+        )
+
+    @staticmethod
+    def _output_token(request: _Request, index: int) -> int:
+        mixed = xxhash.xxh32_intdigest(index.to_bytes(4, "little"), seed=request.output_seed)
+        return RESERVED_IDS + mixed % _OUTPUT_SPAN
