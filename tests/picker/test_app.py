@@ -1,0 +1,160 @@
+"""The service as a whole, in process: gRPC health, TLS, metrics exposition, config reload."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from picker.app import PickerApp
+from picker.config import load_config
+from picker.scheduling.registry import builtin_registry
+from picker.wire import HEALTH_SERVICES
+
+REGISTRY = builtin_registry(include_entry_points=False)
+
+
+def write_config(path: Path, **overrides: object) -> Path:
+    document: dict[str, object] = {
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "endpoints": [{"address": "127.0.0.1:9"}],
+        "metrics": {"scrapeInterval": "50ms"},
+    }
+    document.update(overrides)
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+async def test_health_service_answers_every_name(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.yaml")
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in HEALTH_SERVICES:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+async def test_metrics_endpoint_and_unreachable_endpoint_not_ready(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.yaml")
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+                async with session.get(url) as response:
+                    assert response.status == 200
+                    text = await response.text()
+                if 'kv_picker_scrape_errors_total{endpoint="127.0.0.1:9"}' in text:
+                    break
+                await asyncio.sleep(0.05)
+            assert 'kv_picker_endpoints{state="not_ready"} 1.0' in text
+            assert "kv_picker_scheduling_duration_seconds" in text
+            async with session.get(f"http://127.0.0.1:{app.metrics_port}/healthz") as response:
+                assert await response.json() == {"endpoints": 1, "ready": 0}
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+async def test_reload_applies_good_config_and_keeps_old_on_error(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.yaml")
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY, config_path=path)
+    await app.start()
+    try:
+        write_config(
+            path,
+            endpoints=[{"address": "127.0.0.1:9"}, {"address": "127.0.0.1:10"}],
+            plugins=[{"type": "random-picker"}],
+        )
+        assert app.reload()
+        assert sorted(e.address for e in app.store.all()) == ["127.0.0.1:10", "127.0.0.1:9"]
+        assert "random-picker" in app.director.scheduler.plugins
+        path.write_text("plugins: [{type: no-such-scorer}]\n")
+        assert not app.reload()
+        assert "random-picker" in app.director.scheduler.plugins  # the old config stays
+        assert len(app.store) == 2
+        exposition = app.metrics.exposition().decode()
+        assert 'kv_picker_config_reloads_total{result="rejected"} 1.0' in exposition
+        assert 'kv_picker_config_reloads_total{result="applied"} 1.0' in exposition
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+async def test_config_file_change_is_picked_up_without_restart(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.yaml")
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY, config_path=path, reload_interval_s=0.05)
+    await app.start()
+    try:
+        write_config(path, endpoints=[{"address": "127.0.0.1:11"}])
+        for _ in range(100):
+            if [e.address for e in app.store.all()] == ["127.0.0.1:11"]:
+                break
+            await asyncio.sleep(0.05)
+        assert [e.address for e in app.store.all()] == ["127.0.0.1:11"]
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_serving(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    path = write_config(
+        tmp_path / "c.yaml",
+        server={
+            "host": "127.0.0.1",
+            "grpcPort": 0,
+            "metricsPort": 0,
+            "tls": {"certPath": str(cert), "keyPath": str(key)},
+        },
+    )
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{app.grpc_port}", credentials) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(plain).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2
+                )
+    finally:
+        await app.stop(grace_s=0.5)

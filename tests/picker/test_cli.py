@@ -1,0 +1,130 @@
+"""The command line, run as users run it: a real subprocess per command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kv_picker(
+    *args: str, timeout_s: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "picker", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_serve_rejects_a_bad_config_naming_file_and_plugin(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text(
+        yaml.safe_dump({"plugins": [{"type": "queue-scorer", "parameters": {"depth": 3}}]})
+    )
+    result = kv_picker("serve", "--config", str(config), timeout_s=30)
+    assert result.returncode == 2
+    assert str(config) in result.stderr and "queue-scorer" in result.stderr
+    assert "depth" in result.stderr
+
+
+def test_help_texts() -> None:
+    for args in (
+        ["--help"],
+        ["serve", "--help"],
+        ["demo", "--help"],
+        ["explain", "--help"],
+        ["sim-endpoint", "--help"],
+        ["bench", "--help"],
+        ["bench", "overhead", "--help"],
+    ):
+        result = kv_picker(*args, timeout_s=30)
+        assert result.returncode == 0, (args, result.stderr)
+        assert "usage" in result.stdout.lower()
+
+
+def test_explain_shows_every_scorer_for_every_endpoint(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"endpoints": [{"address": f"10.1.0.{i}:8000"} for i in (1, 2, 3)], "seed": 1}
+        )
+    )
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": "m", "prompt": "hello " * 100}))
+    result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    profile = report["profiles"]["default"]
+    assert len(profile["candidates"]) == 3
+    assert set(profile["candidates"][0]["scores"]) == {
+        "prefix-cache-scorer",
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "active-request-scorer",
+    }
+    assert profile["picked"][0] == profile["candidates"][0]["endpoint"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    failed = kv_picker("explain", "--config", str(config), "--request", str(bad), timeout_s=30)
+    assert failed.returncode == 1 and "400" in failed.stderr
+
+
+def test_demo_prints_the_table_and_leaves_no_process() -> None:
+    marker = f"KV_PICKER_TEST_MARK={uuid.uuid4()}"
+    key, value = marker.split("=", 1)
+    env = {**os.environ, key: value}
+    result = kv_picker("demo", "--requests", "36", "--concurrency", "4", env=env, timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| random (cache-blind) | 36 | 0 |" in result.stdout
+    assert "| kv-picker default | 36 | 0 |" in result.stdout
+    assert processes_with_marker(marker) == []
+
+
+def test_overhead_benchmark_smoke(tmp_path: Path) -> None:
+    result = kv_picker(
+        "bench",
+        "overhead",
+        "--endpoints",
+        "2",
+        "--requests",
+        "10",
+        "--connections",
+        "1,2",
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "200",
+        "--out",
+        str(tmp_path),
+        timeout_s=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "overhead.json").read_text())
+    assert [row["connections"] for row in rows] == [1, 2]
+    assert all(row["direct"]["errors"] == 0 and row["picker"]["errors"] == 0 for row in rows)
+    assert all(row["picker"]["p50_ms"] > 0 for row in rows)
