@@ -1,6 +1,9 @@
 """Scrape each endpoint's Prometheus ``/metrics`` into the endpoint store.
 
-One loop scrapes every endpoint concurrently each interval. A failed scrape (refused, timed
+Each endpoint is scraped once per interval, and the scrapes are spread evenly over the
+interval rather than fired together: a round of N scrapes at once would hold the event loop for
+N parses in a row and show up as a latency spike on the requests in flight. A scrape still
+running when its endpoint's next turn comes is not doubled up. A failed scrape (refused, timed
 out, non-200, unparsable) marks the endpoint not ready until a scrape succeeds again. Scrapes
 older than the staleness bound make scorers treat the endpoint as fully loaded.
 
@@ -121,26 +124,44 @@ class MetricsScraper:
         self._session: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
-        """Scrape forever (cancel the task to stop)."""
+        """Scrape forever, staggered over the interval (cancel the task to stop)."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        in_flight: dict[int, asyncio.Task[None]] = {}
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self._session = session
             loop = asyncio.get_running_loop()
-            while True:
-                started = loop.time()
-                await self.scrape_once()
-                await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+            try:
+                while True:
+                    endpoints = self.store.all()
+                    if not endpoints:
+                        await asyncio.sleep(self.interval_s)
+                        continue
+                    slot_s = self.interval_s / len(endpoints)
+                    for endpoint in endpoints:
+                        started = loop.time()
+                        previous = in_flight.get(endpoint.id)
+                        if previous is None or previous.done():
+                            in_flight[endpoint.id] = asyncio.create_task(self._scrape(endpoint))
+                        await asyncio.sleep(max(0.0, slot_s - (loop.time() - started)))
+                    self._round_done(len(endpoints))
+            finally:
+                for task in in_flight.values():
+                    task.cancel()
+                await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     async def scrape_once(self) -> None:
         """One round over every endpoint."""
         endpoints = self.store.all()
         if endpoints:
             await asyncio.gather(*(self._scrape(e) for e in endpoints))
+        self._round_done(len(endpoints))
+
+    def _round_done(self, num_endpoints: int) -> None:
         self.rounds += 1
         ready = len(self.store.ready_endpoints())
         self.metrics.endpoints.labels("ready").set(ready)
-        self.metrics.endpoints.labels("not_ready").set(len(endpoints) - ready)
+        self.metrics.endpoints.labels("not_ready").set(num_endpoints - ready)
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         session = self._session

@@ -57,10 +57,11 @@ async def test_metrics_endpoint_and_unreachable_endpoint_not_ready(tmp_path: Pat
                 async with session.get(url) as response:
                     assert response.status == 200
                     text = await response.text()
-                if 'kv_picker_scrape_errors_total{endpoint="127.0.0.1:9"}' in text:
+                if 'kv_picker_endpoints{state="not_ready"} 1.0' in text:
                     break
                 await asyncio.sleep(0.05)
             assert 'kv_picker_endpoints{state="not_ready"} 1.0' in text
+            assert 'kv_picker_scrape_errors_total{endpoint="127.0.0.1:9"}' in text
             assert "kv_picker_scheduling_duration_seconds" in text
             async with session.get(f"http://127.0.0.1:{app.metrics_port}/healthz") as response:
                 assert await response.json() == {"endpoints": 1, "ready": 0}
