@@ -26,6 +26,10 @@ _REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 REQUEST_LABELS = ("model", "outcome")
+# The model label comes from request bodies: cap its distinct values so a client cannot grow
+# the exposition without bound.
+MAX_MODEL_LABELS = 100
+OTHER_MODEL = "other"
 PLUGIN_LABELS = ("profile", "plugin", "type")
 ENDPOINT_LABELS = ("endpoint",)
 
@@ -35,6 +39,7 @@ class PickerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._model_labels: set[str] = set()
         r = self.registry
         self.requests = Counter(
             "kv_picker_requests",
@@ -142,6 +147,16 @@ class PickerMetrics:
             ("result",),
             registry=r,
         )
+
+    def model_label(self, model: str) -> str:
+        """``model`` as a label value, or ``other`` once the cap of distinct models is reached."""
+        seen = self._model_labels
+        if model in seen:
+            return model
+        if len(seen) >= MAX_MODEL_LABELS:
+            return OTHER_MODEL
+        seen.add(model)
+        return model
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -213,10 +213,10 @@ class RequestStream:
         self.picked_s = time.perf_counter()
         self.director.begin(endpoint)
         self.metrics.running.inc()
-        self.metrics.requests.labels(self.model, outcome).inc()
+        self.metrics.requests.labels(self.metrics.model_label(self.model), outcome).inc()
 
     def _fail(self, error: PickerError) -> pb.ProcessingResponse:
-        self.metrics.requests.labels(self.model, error.reason).inc()
+        self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
         if error.status >= 500:
             log.warning("request failed: %s", error.message)
         self.closed = True

@@ -208,3 +208,19 @@ def test_response_sse_echoed_chunk_for_chunk_and_usage_read() -> None:
     assert stream.finished
     assert director.metrics.cached_tokens._value.get() == 4
     assert sum(director.store.in_flight) == 0
+
+
+def test_model_label_cardinality_is_capped() -> None:
+    director = make_director()
+    for i in range(150):
+        body = json.dumps({"model": f"model-{i}", "prompt": "hi"}).encode()
+        stream = RequestStream(director)
+        run(stream, headers_message(), body_message(body))
+        stream.close()
+    exposition = director.metrics.exposition().decode()
+    models = {
+        line.split('model="')[1].split('"')[0]
+        for line in exposition.splitlines()
+        if line.startswith("kv_picker_requests_total{")
+    }
+    assert len(models) == 101 and "other" in models
