@@ -234,12 +234,12 @@ async def serve(config_path: str | None, config: PickerConfig) -> None:
     """Run until SIGINT/SIGTERM."""
     import signal
 
-    app = PickerApp(config, config_path=config_path)
-    await app.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before start: no window without a handler
         loop.add_signal_handler(sig, stop.set)
+    app = PickerApp(config, config_path=config_path)
+    await app.start()
     await stop.wait()
     log.info("shutting down")
     await app.stop()

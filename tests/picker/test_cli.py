@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -128,3 +129,35 @@ def test_overhead_benchmark_smoke(tmp_path: Path) -> None:
     assert [row["connections"] for row in rows] == [1, 2]
     assert all(row["direct"]["errors"] == 0 and row["picker"]["errors"] == 0 for row in rows)
     assert all(row["picker"]["p50_ms"] > 0 for row in rows)
+
+
+def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+                "endpoints": [{"address": "127.0.0.1:9"}],
+            }
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "picker", "serve", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # bounded: the process logs its start within seconds
+            if "serving ext_proc" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+        if process.stdout is not None:
+            process.stdout.close()
