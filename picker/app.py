@@ -26,7 +26,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from picker.config import PickerConfig, load_config
+from picker.config import PickerConfig, hardware_table, load_config
 from picker.director import Director
 from picker.errors import ConfigError
 from picker.handlers.extproc import ExternalProcessor
@@ -72,6 +72,7 @@ class PickerApp:
             rng=random.Random(seed),
             clock=clock,
             metrics_staleness_s=config.metrics.staleness_s,
+            hardware=hardware_table(config),
         )
         scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
         self.director = Director(config, self.store, scheduler, self.ctx.rng, self.metrics)

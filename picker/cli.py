@@ -48,6 +48,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import random
     import time
 
+    from picker.config import hardware_table
     from picker.director import Director
     from picker.metrics import PickerMetrics
     from picker.scheduling.scheduler import Scheduler
@@ -78,7 +79,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for endpoint in store.all():
             store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
     rng = random.Random(config.seed or 0)
-    ctx = BuildContext(store, rng, time.monotonic, config.metrics.staleness_s)
+    ctx = BuildContext(
+        store, rng, time.monotonic, config.metrics.staleness_s, hardware=hardware_table(config)
+    )
     director = Director(config, store, Scheduler(config, registry, ctx, None), rng, metrics)
     headers = {":path": args.path, ":method": "POST"}
     request = director.parse(body, headers)

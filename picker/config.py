@@ -37,9 +37,16 @@ from typing import Any
 
 import yaml
 
+from picker.admission import AdmissionConfig
 from picker.errors import ConfigError
 from picker.scheduling.registry import Registry
 from picker.state.endpoints import EndpointSpec, split_address
+from picker.state.hardware import (
+    BUILTIN_HARDWARE_CLASSES,
+    DEFAULT_CLASS,
+    HardwareClass,
+    HardwareTable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,9 @@ _OWN_SECTIONS = (
     "seed",
     "plugins",
     "schedulingProfiles",
+    "admission",
+    "objectives",
+    "hardware",
 )
 
 # The built-in default: the GIE default's scorers (prefix, queue, kv-utilization) plus the
@@ -124,6 +134,7 @@ class MetricsConfig:
 class ModelConfig:
     name: str
     lora_adapters: tuple[str, ...] = ()
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,16 @@ class PickerConfig:
     plugins: tuple[PluginConfig, ...] = ()
     profiles: tuple[ProfileConfig, ...] = ()
     handler: str = ""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    hardware_classes: tuple[HardwareClass, ...] = ()
+    default_hardware_class: str = DEFAULT_CLASS
+
+
+def hardware_table(config: PickerConfig) -> HardwareTable:
+    """The hardware table a config describes (built-in classes plus its own)."""
+    return HardwareTable(
+        {c.name: c for c in config.hardware_classes}, config.default_hardware_class
+    )
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
@@ -277,16 +298,23 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
             raw_profiles = [DEFAULT_PROFILE]
     plugins = _parse_plugins(raw_plugins, registry)
     profiles, handler = _parse_profiles(raw_profiles, plugins, registry)
+    models = _parse_models(top.get("models", list, []))
+    hardware_classes, default_class = _parse_hardware(top.get("hardware", Mapping, {}))
     return PickerConfig(
         source=source,
         server=_parse_server(top.get("server", Mapping, {})),
         endpoints=_parse_endpoints(top.get("endpoints", list, [])),
-        models=_parse_models(top.get("models", list, [])),
+        models=models,
         metrics=_parse_metrics(top.get("metrics", Mapping, {})),
         seed=seed,
         plugins=plugins,
         profiles=profiles,
         handler=handler,
+        admission=_parse_admission(
+            top.get("admission", Mapping, {}), top.get("objectives", list, []), models
+        ),
+        hardware_classes=hardware_classes,
+        default_hardware_class=default_class,
     )
 
 
@@ -345,14 +373,15 @@ def _parse_models(raw: list[Any]) -> tuple[ModelConfig, ...]:
         if isinstance(item, str):
             models.append(ModelConfig(item))
             continue
-        reader = _Reader(item, where, ("name", "loraAdapters"))
+        reader = _Reader(item, where, ("name", "loraAdapters", "priority"))
         name = reader.get("name", str, None)
         if not name:
             raise ConfigError(f"{where}.name: required")
         adapters = reader.get("loraAdapters", list, [])
         if not all(isinstance(a, str) and a for a in adapters):
             raise ConfigError(f"{where}.loraAdapters: must be a list of names")
-        models.append(ModelConfig(name, tuple(adapters)))
+        priority = reader.get("priority", int, 0)
+        models.append(ModelConfig(name, tuple(adapters), priority))
     return tuple(models)
 
 
@@ -373,6 +402,85 @@ def _parse_metrics(raw: Any) -> MetricsConfig:
         timeout_s=duration("timeout", defaults.timeout_s),
         path=path,
     )
+
+
+def _parse_admission(
+    raw: Any, raw_objectives: list[Any], models: tuple[ModelConfig, ...]
+) -> AdmissionConfig:
+    reader = _Reader(
+        raw,
+        "admission",
+        (
+            "queueDepthThreshold",
+            "kvCacheUtilThreshold",
+            "metricsStalenessThreshold",
+            "priorityHeader",
+        ),
+    )
+    defaults = AdmissionConfig()
+    queue = reader.get("queueDepthThreshold", (int, float), defaults.queue_depth_threshold)
+    kv = reader.get("kvCacheUtilThreshold", (int, float), defaults.kv_cache_util_threshold)
+    if not queue > 0:
+        raise ConfigError(f"admission.queueDepthThreshold: must be > 0, got {queue}")
+    if not 0 < kv <= 1:
+        raise ConfigError(f"admission.kvCacheUtilThreshold: must be in (0, 1], got {kv}")
+    staleness = raw.get("metricsStalenessThreshold")
+    header = reader.get("priorityHeader", str, defaults.priority_header)
+    if not header or header != header.lower():
+        raise ConfigError("admission.priorityHeader: must be a lower-case header name")
+    objectives: dict[str, int] = {}
+    for i, item in enumerate(raw_objectives):
+        where = f"objectives[{i}]"
+        objective = _Reader(item, where, ("name", "priority"))
+        name = objective.get("name", str, None)
+        if not name:
+            raise ConfigError(f"{where}.name: required")
+        if name in objectives:
+            raise ConfigError(f"{where}.name: objective {name!r} is defined twice")
+        objectives[name] = objective.get("priority", int, 0)
+    priorities: dict[str, int] = {}
+    for model in models:
+        for name in (model.name, *model.lora_adapters):
+            priorities[name] = model.priority
+    return AdmissionConfig(
+        queue_depth_threshold=float(queue),
+        kv_cache_util_threshold=float(kv),
+        staleness_s=None
+        if staleness is None
+        else parse_duration_s(staleness, "admission.metricsStalenessThreshold"),
+        priority_header=header,
+        objectives=objectives,
+        model_priorities=priorities,
+    )
+
+
+def _parse_hardware(raw: Any) -> tuple[tuple[HardwareClass, ...], str]:
+    reader = _Reader(raw, "hardware", ("defaultClass", "classes"))
+    classes = []
+    names: set[str] = set()
+    for i, item in enumerate(reader.get("classes", list, [])):
+        where = f"hardware.classes[{i}]"
+        entry = _Reader(item, where, ("name", "prefillSpeed", "decodeSpeed", "kvCapacity"))
+        name = entry.get("name", str, None)
+        if not name:
+            raise ConfigError(f"{where}.name: required")
+        if name in names:
+            raise ConfigError(f"{where}.name: class {name!r} is defined twice")
+        names.add(name)
+        values = []
+        for key in ("prefillSpeed", "decodeSpeed", "kvCapacity"):
+            value = entry.get(key, (int, float), None)
+            if value is None or not value > 0:
+                raise ConfigError(f"{where}.{key}: required, a number > 0")
+            values.append(float(value))
+        classes.append(HardwareClass(name, *values))
+    default_class = reader.get("defaultClass", str, DEFAULT_CLASS)
+    if default_class not in names and default_class not in BUILTIN_HARDWARE_CLASSES:
+        raise ConfigError(
+            f"hardware.defaultClass: unknown class {default_class!r}; known: "
+            f"{', '.join(sorted({*BUILTIN_HARDWARE_CLASSES, *names}))}"
+        )
+    return tuple(classes), default_class
 
 
 def _parse_plugins(raw: list[Any], registry: Registry) -> tuple[PluginConfig, ...]:

@@ -6,18 +6,22 @@ harness and ``kv-picker explain`` call them too.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Mapping
 from typing import Any
 
+from picker.admission import Admission
 from picker.config import PickerConfig
-from picker.errors import InternalError, NoEndpointsError, PickerError
+from picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
 from picker.handlers.body import parse_request
 from picker.metrics import PickerMetrics
 from picker.scheduling.scheduler import Scheduler
 from picker.scheduling.types import LLMRequest, SchedulingResult
 from picker.state.endpoints import Endpoint, EndpointStore
 from picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
+
+log = logging.getLogger(__name__)
 
 
 class Director:
@@ -44,11 +48,13 @@ class Director:
         self.scheduler = scheduler
         self.rng = rng
         self.metrics = metrics
+        self.admission = Admission(config.admission, store, config.metrics.staleness_s)
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already scheduled keep their picks."""
         self.config = config
         self.scheduler = scheduler
+        self.admission = Admission(config.admission, self.store, config.metrics.staleness_s)
 
     @property
     def max_body_bytes(self) -> int:
@@ -88,6 +94,16 @@ class Director:
         """
         candidates = self.candidates(metadata)
         try:
+            saturation = self.admission.admit(request, candidates)
+        except SaturatedError:
+            self.metrics.admission.labels("shed").inc()
+            raise
+        if saturation is not None:
+            self.metrics.pool_saturation.set(saturation)
+        self.metrics.admission.labels(
+            "admitted" if request.priority >= 0 else "admitted-sheddable"
+        ).inc()
+        try:
             result = self.scheduler.schedule(request, candidates, explain)
         except PickerError:
             raise
@@ -96,6 +112,14 @@ class Director:
         if not result.primary.targets:
             raise InternalError("the picker returned no endpoint")
         return result
+
+    def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
+        """Headers the plugins add to the response for ``request`` served by ``endpoint``."""
+        try:
+            return self.scheduler.response_headers(request, endpoint)
+        except Exception:  # a plugin bug must not break a response already under way
+            log.exception("response header plugin failed")
+            return []
 
     def begin(self, endpoint: Endpoint) -> None:
         self.store.in_flight[endpoint.id] += 1

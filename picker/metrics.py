@@ -141,10 +141,77 @@ class PickerMetrics:
             "Blocks matched over blocks looked up in the approximate prefix index, [0,1].",
             registry=r,
         )
+        self.admission = Counter(
+            "kv_picker_admission_decisions",
+            "Admission decisions (admitted, admitted-sheddable, shed).",
+            ("decision",),
+            registry=r,
+        )
+        self.pool_saturation = Gauge(
+            "kv_picker_pool_saturation",
+            "Saturation of the candidates at the last sheddable request (>= 1 sheds).",
+            registry=r,
+        )
         self.config_reloads = Counter(
             "kv_picker_config_reloads",
             "Config reload attempts, by result.",
             ("result",),
+            registry=r,
+        )
+        # Precise KV index (KV events). Block counts, not message counts, unless named.
+        self.kv_index_blocks = Gauge(
+            "kv_picker_kv_index_blocks",
+            "(endpoint, block) entries in the precise KV index.",
+            registry=r,
+        )
+        self.kv_index_keys = Gauge(
+            "kv_picker_kv_index_keys",
+            "Distinct block keys in the precise KV index (in-process backend).",
+            registry=r,
+        )
+        self.kv_index_hit_ratio = Gauge(
+            "kv_picker_kv_index_hit_ratio",
+            "Best candidate's matched blocks over blocks looked up in the precise index, [0,1].",
+            registry=r,
+        )
+        self.kv_index_evictions = Counter(
+            "kv_picker_kv_index_evictions",
+            "Index entries evicted to respect a per-endpoint or total bound.",
+            registry=r,
+        )
+        self.kv_events_applied = Counter(
+            "kv_picker_kv_events_applied",
+            "KV events applied: blocks stored or removed, endpoint caches cleared.",
+            ("kind",),
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "kv_picker_kv_events_dropped",
+            "Blocks of KV events not indexed, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.kv_events_malformed = Counter(
+            "kv_picker_kv_events_malformed",
+            "KV-event messages that did not follow the wire format (dropped).",
+            registry=r,
+        )
+        self.kv_event_sequence_gaps = Counter(
+            "kv_picker_kv_event_sequence_gaps",
+            "Sequence breaks per publisher: gap (messages lost) or restart (sequence went back).",
+            ("kind",),
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "kv_picker_kv_event_replays",
+            "Replays asked from endpoints' replay sockets, by cause (gap, catch_up) and result.",
+            ("cause", "result"),
+            registry=r,
+        )
+        self.kv_index_backend_errors = Counter(
+            "kv_picker_kv_index_backend_errors",
+            "Failed calls to the shared index backend, by operation (lookup, write).",
+            ("operation",),
             registry=r,
         )
 

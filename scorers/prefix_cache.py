@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, PREFIX_MATCH, PrefixMatch
 from picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
 from picker.state.approx_index import ApproximatePrefixIndex
 from picker.state.endpoints import Endpoint
@@ -96,6 +97,10 @@ class PrefixCacheScorer:
         for endpoint in candidates:
             mask |= 1 << endpoint.id
         runs = self.index.match_runs(keys, mask)
+        # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
+        request.state[PREFIX_MATCH] = PrefixMatch(
+            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, len(keys), runs
+        )
         if not runs:
             return
         total = len(keys)

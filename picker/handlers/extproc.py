@@ -38,8 +38,9 @@ from picker.director import Director
 from picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
 from picker.handlers import responses
 from picker.handlers.usage import UsageReader
+from picker.scheduling.types import LLMRequest
 from picker.state.endpoints import Endpoint
-from picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS
+from picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS, PREFILLER_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class RequestStream:
         self.body_size_bytes = 0
         self.metadata: dict[str, Any] | None = None
         self.endpoint: Endpoint | None = None
+        self.prefill_endpoint: Endpoint | None = None
+        self.request: LLMRequest | None = None
         self.model = ""
         self.started_s = time.perf_counter()
         self.picked_s = 0.0
@@ -176,10 +179,16 @@ class RequestStream:
             raise BadRequestError("request body is empty")
         request = self.director.parse(body, self.headers)
         self.model = request.model
+        self.request = request
         result = self.director.schedule(request, self.metadata)
         endpoint = result.primary.targets[0]
-        self._routed(endpoint, "routed")
-        self.metrics.picks.labels(result.primary_profile, endpoint.address).inc()
+        for profile, profile_result in result.profile_results.items():
+            if profile != result.primary_profile and profile_result.targets:
+                # The only secondary profile today is prefill (P/D disaggregation).
+                self.prefill_endpoint = profile_result.targets[0]
+        self._routed(endpoint, "disaggregated" if self.prefill_endpoint else "routed")
+        for profile, profile_result in result.profile_results.items():
+            self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
         if self.request_body_mode == FULL_DUPLEX:
             yield self._headers_pick(endpoint, content_length=len(body))
             yield from responses.streamed_body(body, request=True, end_of_stream=end_of_stream)
@@ -194,8 +203,11 @@ class RequestStream:
         set_headers = [(DESTINATION_HEADER, endpoint.address)]
         if content_length is not None:
             set_headers.append(("content-length", str(content_length)))
+        if self.prefill_endpoint is not None:
+            set_headers.append((PREFILLER_HEADER, self.prefill_endpoint.address))
+        set_names = {name for name, _ in set_headers}
         # Headers only the picker may set: drop whatever the client sent.
-        remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h != DESTINATION_HEADER]
+        remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h not in set_names]
         return responses.routing_mutation(set_headers, remove)
 
     def _headers_pick(
@@ -233,7 +245,23 @@ class RequestStream:
                 )
                 break
         self.usage = UsageReader(streaming="text/event-stream" in content_type)
-        yield responses.CONTINUE_HEADERS_RESPONSE
+        extra = (
+            self.director.response_headers(self.request, self.endpoint)
+            if self.request is not None and self.endpoint is not None
+            else []
+        )
+        if extra:
+            yield pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(
+                            set_headers=[responses.header_option(k, v) for k, v in extra]
+                        )
+                    )
+                )
+            )
+        else:
+            yield responses.CONTINUE_HEADERS_RESPONSE
         if message.end_of_stream:
             self._finish()
 

@@ -3,18 +3,36 @@
 | type | behaviour |
 |---|---|
 | `single-profile-handler` | runs the only profile (or the one named `default`); it is primary |
+| `pd-profile-handler` | prefill/decode disaggregation: runs `decode` (primary), then `prefill` when the prompt's uncached part on the chosen decode endpoint is long enough |
 
-The prefill/decode handler builds on the same contract.
+`pd-profile-handler` parameters (defaults):
+- `decodeProfile` (`decode`), `prefillProfile` (`prefill`): the profiles to run; give each its
+  role filter (`decode-filter`, `prefill-filter`) and, to prefer compute-rich hardware for
+  prefill and bandwidth-rich hardware for decode, `hardware-class-scorer` with `phase: prefill`
+  and `phase: decode` respectively.
+- `nonCachedTokens` (0): disaggregate when the prompt tokens *not* cached on the chosen decode
+  endpoint are at least this many; 0 never disaggregates.
+- `minPromptTokens` (0): and only when the prompt has at least this many tokens.
+- `charsPerToken` (4.0): the token estimate when no tokenizer ran.
+
+Cached tokens come from the `prefix-cache-scorer` in the decode profile (without one, nothing
+counts as cached). When the prefill profile finds no endpoint (no prefill pool, or all filtered
+out), the request is served aggregated by the decode endpoint rather than failed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from picker.errors import SaturatedError
+from picker.scheduling.signals import cached_tokens, prompt_tokens
 from picker.scheduling.types import BuildContext, LLMRequest, ProfileRunner, SchedulingResult
 from picker.state.endpoints import Endpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,9 @@ class SingleProfileHandler:
         self.name = name
         self._profile = params.profile
 
+    def required_profiles(self) -> tuple[str, ...]:
+        return (self._profile,) if self._profile else ()
+
     def schedule(
         self,
         request: LLMRequest,
@@ -41,4 +62,69 @@ class SingleProfileHandler:
         return SchedulingResult(profile, {profile: run_profile(profile, request, candidates)})
 
 
-BUILTIN_PROFILE_HANDLERS = (SingleProfileHandler,)
+@dataclass(frozen=True)
+class PDProfileParams:
+    decodeProfile: str = "decode"
+    prefillProfile: str = "prefill"
+    nonCachedTokens: int = 0
+    minPromptTokens: int = 0
+    charsPerToken: float = 4.0
+
+    def validate(self) -> None:
+        if self.nonCachedTokens < 0 or self.minPromptTokens < 0:
+            raise ValueError("'nonCachedTokens' and 'minPromptTokens' must be >= 0")
+        if not self.charsPerToken > 0:
+            raise ValueError("parameter 'charsPerToken' must be > 0")
+        if self.decodeProfile == self.prefillProfile:
+            raise ValueError("'decodeProfile' and 'prefillProfile' must differ")
+
+
+class PDProfileHandler:
+    type_name: ClassVar[str] = "pd-profile-handler"
+    Params = PDProfileParams
+
+    def __init__(self, name: str, params: PDProfileParams, ctx: BuildContext) -> None:
+        self.name = name
+        self.params = params
+        self.disaggregated = 0
+        self.aggregated = 0
+        self.prefill_unavailable = 0
+
+    def required_profiles(self) -> tuple[str, ...]:
+        return (self.params.decodeProfile, self.params.prefillProfile)
+
+    def schedule(
+        self,
+        request: LLMRequest,
+        candidates: list[Endpoint],
+        profile_names: Sequence[str],
+        run_profile: ProfileRunner,
+    ) -> SchedulingResult:
+        params = self.params
+        decode = run_profile(params.decodeProfile, request, candidates)
+        result = SchedulingResult(params.decodeProfile, {params.decodeProfile: decode})
+        if not self._should_disaggregate(request, decode.targets[0]):
+            self.aggregated += 1
+            return result
+        try:
+            prefill = run_profile(params.prefillProfile, request, candidates)
+        except SaturatedError as exc:
+            log.debug("no prefill endpoint, serving aggregated: %s", exc)
+            self.prefill_unavailable += 1
+            return result
+        result.profile_results[params.prefillProfile] = prefill
+        self.disaggregated += 1
+        return result
+
+    def _should_disaggregate(self, request: LLMRequest, decode_endpoint: Endpoint) -> bool:
+        params = self.params
+        if params.nonCachedTokens == 0:
+            return False
+        total = prompt_tokens(request, params.charsPerToken)
+        if total < params.minPromptTokens:
+            return False
+        uncached = total - cached_tokens(request, decode_endpoint.id)
+        return uncached >= params.nonCachedTokens
+
+
+BUILTIN_PROFILE_HANDLERS = (SingleProfileHandler, PDProfileHandler)

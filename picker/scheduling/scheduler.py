@@ -165,9 +165,27 @@ class Scheduler:
         if not isinstance(handler, ProfileHandler):
             raise ConfigError(f"plugin {config.handler!r} is not a profile handler")
         self.handler: ProfileHandler = handler
+        required = getattr(handler, "required_profiles", None)
+        if required is not None:
+            missing = [name for name in required() if name not in self.profiles]
+            if missing:
+                raise ConfigError(
+                    f"plugin {handler.name!r}: needs scheduling profile(s) {', '.join(missing)}; "
+                    f"defined: {', '.join(self.profiles)}"
+                )
         self._profile_names = tuple(self.profiles)
         self._post_pick: list[PostPick] = [p for p in plugins.values() if isinstance(p, PostPick)]
+        self._response_header_plugins = [
+            p for p in plugins.values() if callable(getattr(p, "response_headers", None))
+        ]
         self.plugins = plugins
+
+    def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
+        """Headers plugins add to the response (e.g. a session token naming ``endpoint``)."""
+        headers: list[tuple[str, str]] = []
+        for plugin in self._response_header_plugins:
+            headers.extend(plugin.response_headers(request, endpoint))
+        return headers
 
     def schedule(
         self, request: LLMRequest, candidates: list[Endpoint], explain: bool = False

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from picker.state.endpoints import Endpoint, EndpointStore
+from picker.state.hardware import HardwareTable
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class BuildContext:
     metrics_staleness_s: float
     # State that outlives one config (e.g. a prefix index kept across a reload), by key.
     shared: dict[str, Any] = field(default_factory=dict)
+    hardware: HardwareTable = field(default_factory=HardwareTable)
 
 
 class Plugin(Protocol):

@@ -22,7 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.metrics import PickerMetrics
-from picker.state.endpoints import Endpoint, EndpointStore
+from picker.state.endpoints import Endpoint, EndpointStore, LoraState
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
-_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG)
+LORA_INFO = "vllm:lora_requests_info"
+_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG, LORA_INFO)
 _WANTED_PREFIXES = tuple(
     f"{prefix}{name}" for name in _WANTED for prefix in ("", "# TYPE ", "# HELP ")
 )
@@ -46,6 +47,11 @@ class EndpointSignals:
     kv_usage: float = 0.0
     block_size_tokens: int = 0
     num_gpu_blocks: int = 0
+    lora: LoraState | None = None
+
+
+def _adapters(value: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in value.split(",") if name.strip())
 
 
 class MetricsParseError(ValueError):
@@ -66,6 +72,7 @@ def parse_vllm_metrics(text: str) -> EndpointSignals:
     seen_queue = False
     kv_new: float | None = None
     kv_old: float | None = None
+    lora_time = -1.0
     try:
         for family in text_string_to_metric_families(selected + "\n"):
             for sample in family.samples:
@@ -87,6 +94,16 @@ def parse_vllm_metrics(text: str) -> EndpointSignals:
                         signals.block_size_tokens = int(block_size)
                     if num_blocks.isdigit():
                         signals.num_gpu_blocks = int(num_blocks)
+                elif name == LORA_INFO and value >= lora_time:
+                    # The value is a timestamp: the newest series is the current state.
+                    lora_time = value
+                    labels = sample.labels
+                    max_lora = labels.get("max_lora", "")
+                    signals.lora = LoraState(
+                        running=_adapters(labels.get("running_lora_adapters", "")),
+                        waiting=_adapters(labels.get("waiting_lora_adapters", "")),
+                        max_lora=int(max_lora) if max_lora.isdigit() else 0,
+                    )
     except (ValueError, TypeError, IndexError) as exc:
         raise MetricsParseError(f"invalid Prometheus text: {exc}") from exc
     if not seen_queue:
@@ -192,6 +209,7 @@ class MetricsScraper:
             kv_usage=signals.kv_usage,
             block_size_tokens=signals.block_size_tokens,
             num_gpu_blocks=signals.num_gpu_blocks,
+            lora=signals.lora,
         )
         address = endpoint.address
         self.metrics.endpoint_waiting.labels(address).set(signals.waiting)

@@ -10,6 +10,7 @@ endpoints: Endpoint   Endpoint   None
 waiting:   3          0          0          vllm:num_requests_waiting
 running:   12         4          0          vllm:num_requests_running
 kv_usage:  0.41       0.07       0.0        vllm:kv_cache_usage_perc, [0,1]
+lora:      LoraState  None       None       vllm:lora_requests_info
 in_flight: 2          0          0          requests routed here and not yet finished
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
@@ -26,6 +27,15 @@ from typing import NewType
 EndpointId = NewType("EndpointId", int)
 
 ROLE_LABEL = "llm-d.ai/role"
+
+
+@dataclass(slots=True, frozen=True)
+class LoraState:
+    """An endpoint's LoRA adapters, from ``vllm:lora_requests_info``."""
+
+    running: frozenset[str]
+    waiting: frozenset[str]
+    max_lora: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,6 +107,7 @@ class EndpointStore:
         self.ready: list[bool] = []
         self.block_size_tokens: list[int] = []
         self.num_gpu_blocks: list[int] = []
+        self.lora: list[LoraState | None] = []
         self._free_ids: list[EndpointId] = []
         self._on_removed: list[Callable[[EndpointId], None]] = []
         # The ready list is rebuilt only when readiness or membership changes.
@@ -136,6 +147,7 @@ class EndpointStore:
             self.ready.append(False)
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
+            self.lora.append(None)
         endpoint = Endpoint(endpoint_id, spec.address, host, port, dict(spec.labels))
         self.endpoints[endpoint_id] = endpoint
         self.by_address[spec.address] = endpoint
@@ -147,6 +159,7 @@ class EndpointStore:
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
         self.num_gpu_blocks[endpoint_id] = 0
+        self.lora[endpoint_id] = None
         return endpoint
 
     def _remove(self, endpoint: Endpoint) -> None:
@@ -182,8 +195,10 @@ class EndpointStore:
         kv_usage: float,
         block_size_tokens: int = 0,
         num_gpu_blocks: int = 0,
+        lora: LoraState | None = None,
     ) -> None:
         """Record one good scrape; marks the endpoint ready."""
+        self.lora[endpoint_id] = lora
         self.waiting[endpoint_id] = waiting
         self.running[endpoint_id] = running
         self.kv_usage[endpoint_id] = min(max(kv_usage, 0.0), 1.0)

@@ -1,0 +1,53 @@
+"""Per-request signals that one plugin computes and others read, with their keys.
+
+Plugins share results through ``LLMRequest.state`` rather than recomputing them: the prefix
+scorer's per-endpoint match is what the P/D handler needs to decide whether to disaggregate, and
+what the latency-predicting scorer needs to estimate uncached prefill work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from picker.scheduling.types import LLMRequest
+from picker.state.endpoints import EndpointId
+
+PREFIX_MATCH = "signals.prefix_match"
+PROMPT_TOKENS = "signals.prompt_tokens"
+
+# Without a tokenizer, English text averages about four characters per token.
+DEFAULT_CHARS_PER_TOKEN = 4.0
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """How much of a request's prompt each endpoint already holds.
+
+    Attributes:
+        block_tokens: tokens per block (estimated in approximate mode).
+        total_blocks: the request's full blocks.
+        matched_blocks: endpoint id -> leading blocks held (absent: none).
+    """
+
+    block_tokens: float
+    total_blocks: int
+    matched_blocks: dict[int, int] = field(default_factory=dict)
+
+    def cached_tokens(self, endpoint_id: EndpointId) -> float:
+        return self.matched_blocks.get(endpoint_id, 0) * self.block_tokens
+
+
+def prompt_tokens(request: LLMRequest, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> float:
+    """The prompt's length in tokens: exact when a tokenizer ran, estimated otherwise."""
+    exact = request.state.get(PROMPT_TOKENS)
+    if isinstance(exact, int | float):
+        return float(exact)
+    return len(request.prompt) / chars_per_token
+
+
+def cached_tokens(request: LLMRequest, endpoint_id: EndpointId) -> float:
+    """Prompt tokens ``endpoint_id`` holds for this request (0 when no prefix scorer ran)."""
+    match = request.state.get(PREFIX_MATCH)
+    if isinstance(match, PrefixMatch):
+        return match.cached_tokens(endpoint_id)
+    return 0.0

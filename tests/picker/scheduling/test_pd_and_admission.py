@@ -1,0 +1,161 @@
+import json
+
+import pytest
+
+from picker.errors import BadRequestError, ConfigError, SaturatedError
+from picker.handlers.extproc import RequestStream
+from picker.scheduling.signals import PREFIX_MATCH
+from picker.state.endpoints import ROLE_LABEL
+from tests.fakes import ManualClock, make_director, make_request, make_scheduler, make_store
+from tests.picker.handlers.test_extproc_stream import body_message, headers_message, run
+
+PD_CONFIG = {
+    "plugins": [
+        {"type": "decode-filter"},
+        {"type": "prefill-filter"},
+        {"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": 64}},
+        {"type": "queue-scorer"},
+        {
+            "type": "pd-profile-handler",
+            "parameters": {"nonCachedTokens": 200, "minPromptTokens": 50},
+        },
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "decode",
+            "plugins": [
+                {"pluginRef": "decode-filter"},
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "queue-scorer"},
+            ],
+        },
+        {
+            "name": "prefill",
+            "plugins": [{"pluginRef": "prefill-filter"}, {"pluginRef": "queue-scorer"}],
+        },
+    ],
+}
+ROLES = [{ROLE_LABEL: "prefill"}, {ROLE_LABEL: "decode"}, {ROLE_LABEL: "decode"}, {}]
+
+
+def test_long_uncached_prompt_is_disaggregated_then_cached_one_is_not() -> None:
+    store = make_store(4, labels=ROLES)
+    scheduler = make_scheduler(PD_CONFIG, store)
+    prompt = "long shared document " * 100  # ~500 tokens by estimate
+    first = scheduler.schedule(make_request(prompt), store.all())
+    assert first.primary_profile == "decode"
+    assert first.primary.targets[0].labels.get(ROLE_LABEL) != "prefill"
+    assert first.profile_results["prefill"].targets[0].labels[ROLE_LABEL] == "prefill"
+    # The same prompt again: the decode endpoint holds it, nothing long is left to prefill.
+    second_request = make_request(prompt + " and one more question")
+    second = scheduler.schedule(second_request, store.all())
+    assert "prefill" not in second.profile_results
+    assert second_request.state[PREFIX_MATCH].matched_blocks
+
+
+def test_short_prompt_is_not_disaggregated() -> None:
+    store = make_store(4, labels=ROLES)
+    scheduler = make_scheduler(PD_CONFIG, store)
+    assert (
+        "prefill" not in scheduler.schedule(make_request("short " * 5), store.all()).profile_results
+    )
+
+
+def test_no_prefill_pool_falls_back_to_aggregated() -> None:
+    store = make_store(2, labels=[{ROLE_LABEL: "decode"}, {}])
+    scheduler = make_scheduler(PD_CONFIG, store)
+    result = scheduler.schedule(make_request("long " * 400), store.all())
+    assert list(result.profile_results) == ["decode"]
+
+
+def test_pd_handler_needs_its_profiles() -> None:
+    config = {**PD_CONFIG, "schedulingProfiles": PD_CONFIG["schedulingProfiles"][:1]}
+    with pytest.raises(ConfigError, match="prefill"):
+        make_scheduler(config, make_store(2))
+
+
+def test_prefiller_header_set_and_client_value_replaced() -> None:
+    director = make_director(PD_CONFIG, store=make_store(4, labels=ROLES))
+    body = json.dumps({"model": "m", "prompt": "document " * 300}).encode()
+    out = run(
+        RequestStream(director),
+        headers_message(extra=[("x-prefiller-host-port", "6.6.6.6:1")]),
+        body_message(body),
+    )
+    mutation = out[0].request_headers.response.header_mutation
+    headers = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert headers["x-prefiller-host-port"] == "10.0.0.1:8000"
+    assert headers["x-gateway-destination-endpoint"] in {
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+        "10.0.0.4:8000",
+    }
+    assert "x-prefiller-host-port" not in mutation.remove_headers
+
+
+ADMISSION = {
+    "objectives": [{"name": "batch", "priority": -1}, {"name": "vip", "priority": 5}],
+    "models": [{"name": "m"}, {"name": "cheap", "priority": -2}],
+}
+
+
+def test_priority_sources() -> None:
+    director = make_director(ADMISSION)
+    admission = director.admission
+    assert admission.priority(make_request(headers={"x-llm-d-inference-objective": "batch"})) == -1
+    assert admission.priority(make_request(headers={"x-gateway-inference-objective": "vip"})) == 5
+    assert admission.priority(make_request(headers={"x-kv-picker-priority": "-3"})) == -3
+    assert admission.priority(make_request(model="cheap")) == -2
+    assert admission.priority(make_request()) == 0
+    with pytest.raises(BadRequestError):
+        admission.priority(make_request(headers={"x-kv-picker-priority": "high"}))
+
+
+def test_saturation_sheds_only_sheddable() -> None:
+    clock = ManualClock()
+    store = make_store(2, waiting=[10, 0], kv_usage=[0.2, 0.9], clock=clock)
+    director = make_director(ADMISSION, store=store)
+    assert director.admission.saturation(store.all()) == pytest.approx((2.0 + 0.9 / 0.8) / 2)
+    sheddable = make_request(headers={"x-llm-d-inference-objective": "batch"})
+    with pytest.raises(SaturatedError) as info:
+        director.schedule(sheddable, None)
+    assert info.value.status == 429 and "sheddable" in info.value.message
+    assert director.schedule(make_request(), None).primary.targets
+    store.update_metrics(store.all()[0].id, waiting=0, running=0, kv_usage=0.1)
+    store.update_metrics(store.all()[1].id, waiting=1, running=0, kv_usage=0.1)
+    assert director.schedule(
+        make_request(headers={"x-llm-d-inference-objective": "batch"}), None
+    ).primary.targets
+    clock.advance(60)  # every scrape stale: unknown load counts as saturated
+    with pytest.raises(SaturatedError):
+        director.schedule(make_request(headers={"x-llm-d-inference-objective": "batch"}), None)
+    exposition = director.metrics.exposition().decode()
+    assert 'kv_picker_admission_decisions_total{decision="shed"} 2.0' in exposition
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ({"admission": {"queueDepthThreshold": 0}}, "queueDepthThreshold"),
+        ({"admission": {"kvCacheUtilThreshold": 1.5}}, "kvCacheUtilThreshold"),
+        ({"admission": {"bogus": 1}}, "bogus"),
+        ({"objectives": [{"name": "a"}, {"name": "a"}]}, "twice"),
+        ({"objectives": [{"priority": 1}]}, "objectives[0].name"),
+        ({"models": [{"name": "m", "priority": "high"}]}, "priority"),
+        ({"hardware": {"defaultClass": "TPU"}}, "defaultClass"),
+        ({"hardware": {"classes": [{"name": "X", "prefillSpeed": 1}]}}, "decodeSpeed"),
+        (
+            {
+                "hardware": {
+                    "classes": [
+                        {"name": "X", "prefillSpeed": -1, "decodeSpeed": 1, "kvCapacity": 1}
+                    ]
+                }
+            },
+            "prefillSpeed",
+        ),
+    ],
+)
+def test_bad_admission_and_hardware_config(document: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        make_director(document)

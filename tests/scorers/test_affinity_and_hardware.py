@@ -1,0 +1,107 @@
+import pytest
+
+from picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
+from picker.state.endpoints import EndpointId, LoraState
+from picker.state.hardware import HARDWARE_CLASS_LABEL, HardwareTable
+from scorers.hardware_class import HardwareClassParams, HardwareClassScorer
+from scorers.load_aware import LoadAwareParams, LoadAwareScorer
+from scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
+from scorers.predicted_latency import PredictedLatencyParams, PredictedLatencyScorer
+from scorers.session_affinity import (
+    SessionAffinityParams,
+    SessionAffinityScorer,
+    decode_session_token,
+    encode_session_token,
+)
+from tests.fakes import make_context, make_request, make_store
+
+
+def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
+    out = [0.0] * len(store.all())
+    scorer.score(request or make_request(), store.all(), out)
+    return out
+
+
+def classed(*names: str):  # type: ignore[no-untyped-def]
+    return make_store(len(names), labels=[{HARDWARE_CLASS_LABEL: n} if n else {} for n in names])
+
+
+def test_hardware_class_relative_to_fastest_candidate() -> None:
+    store = classed("H100", "A100", "L4", "")
+    prefill = HardwareClassScorer("h", HardwareClassParams("prefill"), make_context(store))
+    assert scores(prefill, store) == pytest.approx([1.0, 0.315, 0.122, 1.0])
+    decode = HardwareClassScorer(
+        "h", HardwareClassParams("decode"), make_context(classed("H200", "H100"))
+    )
+    assert scores(decode, classed("H200", "H100")) == pytest.approx([1.0, 1.0 / 1.433], rel=1e-3)
+    mig = classed("1g.10gb", "H100-MIG-3g.40gb")
+    both = HardwareClassScorer("h", HardwareClassParams(), make_context(mig))
+    first, second = scores(both, mig)
+    assert second == 1.0 and first < 0.5
+
+
+def test_hardware_table_overrides_and_default() -> None:
+    from picker.state.hardware import HardwareClass
+
+    table = HardwareTable({"MI300X": HardwareClass("MI300X", 1.3, 1.6, 2.4)}, default_class="A100")
+    assert table.of({HARDWARE_CLASS_LABEL: "MI300X"}).decode_speed == 1.6
+    assert table.of({}).name == "A100"
+    assert table.of({HARDWARE_CLASS_LABEL: "unknown"}).name == "A100"
+    with pytest.raises(ValueError):
+        HardwareTable(default_class="nope")
+
+
+def test_load_aware() -> None:
+    store = make_store(4, waiting=[0, 64, 128, 500])
+    scorer = LoadAwareScorer("l", LoadAwareParams(threshold=128), make_context(store))
+    assert scores(scorer, store) == [0.5, 0.25, 0.0, 0.0]
+
+
+def test_lora_affinity_levels() -> None:
+    store = make_store(4)
+    states = [
+        LoraState(frozenset({"sql"}), frozenset(), 2),
+        LoraState(frozenset({"chat"}), frozenset(), 2),
+        LoraState(frozenset({"a", "b"}), frozenset({"sql"}), 2),
+        LoraState(frozenset({"a", "b"}), frozenset(), 2),
+    ]
+    for endpoint, state in zip(store.all(), states, strict=True):
+        store.lora[endpoint.id] = state
+    scorer = LoraAffinityScorer("l", LoraAffinityParams(), make_context(store))
+    assert scores(scorer, store, make_request(model="sql")) == [1.0, 0.8, 0.6, 0.0]
+    # A model no endpoint knows as an adapter is a base model: no preference.
+    assert scores(scorer, store, make_request(model="base")) == [1.0] * 4
+    declared = make_request(model="chat", lora_adapter="chat", target_model="base")
+    assert scores(scorer, store, declared) == [0.8, 1.0, 0.0, 0.0]
+
+
+def test_session_affinity_token_roundtrip_and_garbage() -> None:
+    store = make_store(3)
+    scorer = SessionAffinityScorer("s", SessionAffinityParams(), make_context(store))
+    token = encode_session_token("10.0.0.2:8000")
+    assert decode_session_token(token) == "10.0.0.2:8000"
+    request = make_request(headers={"x-session-token": token})
+    assert scores(scorer, store, request) == [0.0, 1.0, 0.0]
+    for garbage in ("!!!", encode_session_token("10.9.9.9:1"), ""):
+        assert (
+            scores(scorer, store, make_request(headers={"x-session-token": garbage})) == [0.0] * 3
+        )
+    endpoint = store.all()[2]
+    assert scorer.response_headers(request, endpoint) == [
+        ("x-session-token", encode_session_token("10.0.0.3:8000"))
+    ]
+
+
+def test_predicted_latency_combines_cache_queue_and_hardware() -> None:
+    store = classed("H100", "H100", "L4")
+    store.waiting[0] = 4  # a queue on the first H100
+    params = PredictedLatencyParams(prefillTokensPerSecond=1000, queuedRequestSeconds=0.5)
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    request = make_request("x" * 4000)  # ~1000 tokens
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 62, {EndpointId(2): 62})  # L4 holds it all
+    ttft = [scorer.predict_ttft_s(request, e) for e in store.all()]
+    assert ttft[0] == pytest.approx(4 * 0.5 + 1.0)
+    assert ttft[1] == pytest.approx(1.0)
+    assert ttft[2] == pytest.approx((1000 - 992) / (1000 * 0.122))
+    out = scores(scorer, store, request)
+    assert out[2] == 1.0 and out[1] == pytest.approx(ttft[2] / 1.0) and out[0] < out[1]
