@@ -67,14 +67,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.scrape:
         scraper = MetricsScraper(store, metrics, 1.0, config.metrics.timeout_s, config.metrics.path)
 
-        async def scrape() -> None:
-            import aiohttp
-
-            async with aiohttp.ClientSession() as session:
-                scraper._session = session
-                await scraper.scrape_once()
-
-        asyncio.run(scrape())
+        asyncio.run(scraper.scrape_once())
     else:
         for endpoint in store.all():
             store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)

@@ -168,7 +168,16 @@ class MetricsScraper:
                 await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     async def scrape_once(self) -> None:
-        """One round over every endpoint."""
+        """One round over every endpoint, all at once (outside :meth:`run` too)."""
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                self._session = session
+                try:
+                    await self.scrape_once()
+                finally:
+                    self._session = None
+            return
         endpoints = self.store.all()
         if endpoints:
             await asyncio.gather(*(self._scrape(e) for e in endpoints))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from picker.localstack import ManagedProcess, free_port, http_get
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -161,3 +163,27 @@ def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path) -> None:
             process.wait(5)
         if process.stdout is not None:
             process.stdout.close()
+
+
+def test_explain_with_scrape_uses_live_endpoints_only(tmp_path: Path) -> None:
+    port = free_port()
+    sim = ManagedProcess(
+        "sim", [sys.executable, "-m", "benchmarks.sim", "--port", str(port)], tmp_path / "sim.log"
+    )
+    try:
+        sim.wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, 30, "health")
+        dead = f"127.0.0.1:{free_port()}"
+        config = tmp_path / "picker.yaml"
+        config.write_text(
+            yaml.safe_dump({"endpoints": [{"address": f"127.0.0.1:{port}"}, {"address": dead}]})
+        )
+        request = tmp_path / "request.json"
+        request.write_text(json.dumps({"model": "sim-model", "prompt": "hi " * 50}))
+        result = kv_picker(
+            "explain", "--config", str(config), "--request", str(request), "--scrape", timeout_s=60
+        )
+        assert result.returncode == 0, result.stderr
+        profile = json.loads(result.stdout)["profiles"]["default"]
+        assert [row["endpoint"] for row in profile["candidates"]] == [f"127.0.0.1:{port}"]
+    finally:
+        sim.stop()
