@@ -5,6 +5,8 @@ PickerApp.start()
   ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
+  ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
+  ├── RedisKVIndex task (index.backend redis): batched writes, outage detection and resync
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
 """
@@ -34,8 +36,10 @@ from picker.metrics import PickerMetrics
 from picker.scheduling.registry import Registry, builtin_registry
 from picker.scheduling.scheduler import Scheduler
 from picker.scheduling.types import BuildContext
+from picker.sources.kv_events import build_kv_index, build_subscriber
 from picker.sources.scraper import MetricsScraper
 from picker.state.endpoints import EndpointStore
+from picker.state.redis_index import RedisKVIndex
 from picker.wire import HEALTH_SERVICES
 from scorers.prefix_cache import PrefixCacheScorer
 
@@ -67,12 +71,17 @@ class PickerApp:
         self.store = EndpointStore(clock)
         self.store.set_endpoints(config.endpoints)
         seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
+        # The precise KV index outlives config reloads; its settings take effect on restart.
+        self.kv_index = build_kv_index(config, self.store, self.metrics)
+        self.kv_subscriber = build_subscriber(config, self.store, self.kv_index, self.metrics)
+        self._kv_evictions_exported = 0
         self.ctx = BuildContext(
             store=self.store,
             rng=random.Random(seed),
             clock=clock,
             metrics_staleness_s=config.metrics.staleness_s,
             hardware=hardware_table(config),
+            kv_index=self.kv_index,
         )
         scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
         self.director = Director(config, self.store, scheduler, self.ctx.rng, self.metrics)
@@ -135,6 +144,10 @@ class PickerApp:
         self.metrics_port = int(bound[0][1]) if bound else config.server.metrics_port
 
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="metrics-scraper"))
+        if isinstance(self.kv_index, RedisKVIndex):
+            self._tasks.append(asyncio.create_task(self.kv_index.run(), name="kv-index-redis"))
+        if self.kv_subscriber is not None:
+            self._tasks.append(asyncio.create_task(self.kv_subscriber.run(), name="kv-events"))
         if self.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
         log.info(
@@ -158,6 +171,8 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if isinstance(self.kv_index, RedisKVIndex):
+            await self.kv_index.close()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
 
@@ -202,6 +217,11 @@ class PickerApp:
             log.warning(
                 "server settings changed in %s: they take effect on restart", self.config_path
             )
+        if config.kv_events != self.config.kv_events or config.index != self.config.index:
+            log.warning(
+                "kvEvents or index settings changed in %s: they take effect on restart",
+                self.config_path,
+            )
         if config.metrics != self.config.metrics:
             self.scraper.interval_s = config.metrics.scrape_interval_s
             self.scraper.timeout_s = config.metrics.timeout_s
@@ -217,11 +237,22 @@ class PickerApp:
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         for plugin in self.director.scheduler.plugins.values():
-            if isinstance(plugin, PrefixCacheScorer):
+            if isinstance(plugin, PrefixCacheScorer) and plugin.precise is not None:
+                precise = plugin.precise
+                if precise.queried_blocks:
+                    self.metrics.kv_index_hit_ratio.set(precise.hit_blocks / precise.queried_blocks)
+            elif isinstance(plugin, PrefixCacheScorer):
                 index = plugin.index
                 self.metrics.prefix_index_keys.set(len(index))
                 if index.queried_blocks:
                     self.metrics.prefix_index_hit_ratio.set(index.hit_blocks / index.queried_blocks)
+        if self.kv_index is not None:
+            self.metrics.kv_index_blocks.set(self.kv_index.num_blocks())
+            if not isinstance(self.kv_index, RedisKVIndex):
+                self.metrics.kv_index_keys.set(len(self.kv_index))
+            evicted = self.kv_index.ledger.evicted_blocks
+            self.metrics.kv_index_evictions.inc(evicted - self._kv_evictions_exported)
+            self._kv_evictions_exported = evicted
         return web.Response(
             body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
         )

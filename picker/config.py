@@ -16,6 +16,15 @@ models:                                  # optional: when set, other models get 
 - name: meta-llama/Llama-3.1-8B-Instruct
   loraAdapters: [sql-lora]
 metrics: {scrapeInterval: 100ms, stalenessThreshold: 2s, timeout: 1s, path: /metrics}
+kvEvents:                                # vLLM KV events, for prefix-cache-scorer mode: precise
+  mode: connect                          # connect: one SUB socket per endpoint; bind: one SUB
+  publisherPort: 5557                    #   socket the publishers connect to (kvEvents.bind)
+  replayPort: 5558                       # optional: each endpoint's replay (ROUTER) socket
+  endpoints: {10.0.0.7:8000: {publisher: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558}}
+  topicFilter: ""                        # ZMQ prefix subscription; topics kv@<endpoint>@<model>
+  model: ""                              # model of events whose topic names none
+index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000}
+       # backend redis: url, keyPrefix, timeout; keys strict: hashAlgo, hashSeed (IndexConfig)
 seed: 0                                  # random tie-breaks are repeatable
 plugins: [{type: ..., name: ..., parameters: {...}}]
 schedulingProfiles: [{name: default, plugins: [{pluginRef: ..., weight: 2}]}]
@@ -79,6 +88,8 @@ _OWN_SECTIONS = (
     "admission",
     "objectives",
     "hardware",
+    "kvEvents",
+    "index",
 )
 
 # The built-in default: the GIE default's scorers (prefix, queue, kv-utilization) plus the
@@ -157,6 +168,62 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class KVEventSourceConfig:
+    """Where one endpoint publishes its KV events (``kvEvents.endpoints[address]``)."""
+
+    publisher: str
+    replay: str | None = None
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``kvEvents``: how the picker receives vLLM KV events.
+
+    In ``connect`` mode (vLLM's default ``tcp://*:5557`` binds on every pod) the picker opens
+    one SUB socket per endpoint: ``endpoints[address].publisher`` when listed, else
+    ``tcp://<endpoint host>:<publisherPort>``; replays likewise from ``endpoints[..].replay`` or
+    ``replayPort``. In ``bind`` mode the picker binds ``bind`` and endpoints' publishers connect
+    to it; the topic ``kv@<endpoint>@<model>`` names the endpoint.
+    """
+
+    mode: str = "connect"
+    bind: str = "tcp://0.0.0.0:5557"
+    publisher_port: int = 5557
+    replay_port: int | None = None
+    endpoints: tuple[tuple[str, KVEventSourceConfig], ...] = ()
+    topic_filter: str = ""
+    model: str = ""
+    replay_timeout_s: float = 2.0
+    catch_up: bool = True
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """``index``: the precise KV-block index.
+
+    ``blockSizeTokens`` must equal vLLM's ``--block-size``. ``keys: dual`` computes the index's
+    own keys from the events' token ids (any vLLM hash algorithm and seed); ``keys: strict``
+    uses vLLM's block hashes, which needs ``hashAlgo`` (``--prefix-caching-hash-algo``) and
+    ``hashSeed`` (``PYTHONHASHSEED``) equal on every pod. Bounds: ``maxBlocks`` (endpoint,
+    block) entries in total (measured: about 150 bytes each in memory when endpoints share
+    prefixes, 250 when every block is distinct; about 90 in Redis), and per endpoint its
+    ``num_gpu_blocks`` when scraped, else ``capacityBlocksPerEndpoint``.
+    """
+
+    backend: str = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kv-picker"
+    block_size_tokens: int = 16
+    keys: str = "dual"
+    hash_algo: str = "sha256"
+    hash_seed: str = "0"
+    capacity_blocks_per_endpoint: int = 500_000
+    max_blocks: int = 4_000_000
+    timeout_s: float = 0.05
+    retry_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class PickerConfig:
     """Validated configuration; every field has passed its checks."""
 
@@ -172,6 +239,8 @@ class PickerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     hardware_classes: tuple[HardwareClass, ...] = ()
     default_hardware_class: str = DEFAULT_CLASS
+    kv_events: KVEventsConfig | None = None
+    index: IndexConfig = field(default_factory=IndexConfig)
 
 
 def hardware_table(config: PickerConfig) -> HardwareTable:
@@ -300,7 +369,12 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
     profiles, handler = _parse_profiles(raw_profiles, plugins, registry)
     models = _parse_models(top.get("models", list, []))
     hardware_classes, default_class = _parse_hardware(top.get("hardware", Mapping, {}))
+    kv_events = _parse_kv_events(top.get("kvEvents", Mapping, None))
+    index = _parse_index(top.get("index", Mapping, {}))
+    _check_precise_prefix(plugins, kv_events, index)
     return PickerConfig(
+        kv_events=kv_events,
+        index=index,
         source=source,
         server=_parse_server(top.get("server", Mapping, {})),
         endpoints=_parse_endpoints(top.get("endpoints", list, [])),
@@ -586,3 +660,157 @@ def _parse_profiles(
             "(or a profile named 'default' for single-profile-handler)"
         )
     return tuple(profiles), handler
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
+def _zmq_address(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith(_ZMQ_SCHEMES):
+        raise ConfigError(
+            f"{where}: expected a ZMQ address such as tcp://10.0.0.7:5557, got {value!r}"
+        )
+    return value
+
+
+def _parse_kv_events(raw: Any) -> KVEventsConfig | None:
+    if raw is None:
+        return None
+    reader = _Reader(
+        raw,
+        "kvEvents",
+        (
+            "mode",
+            "bind",
+            "publisherPort",
+            "replayPort",
+            "endpoints",
+            "topicFilter",
+            "model",
+            "replayTimeout",
+            "catchUp",
+        ),
+    )
+    defaults = KVEventsConfig()
+    mode = reader.get("mode", str, defaults.mode)
+    if mode not in ("connect", "bind"):
+        raise ConfigError(f"kvEvents.mode: must be connect or bind, got {mode!r}")
+    ports = {}
+    for key, default in (("publisherPort", defaults.publisher_port), ("replayPort", None)):
+        value = reader.get(key, int, default)
+        if value is not None and not 0 < value < 65536:
+            raise ConfigError(f"kvEvents.{key}: port must be 1..65535, got {value}")
+        ports[key] = value
+    endpoints = []
+    for address, entry in reader.get("endpoints", Mapping, {}).items():
+        where = f"kvEvents.endpoints[{address!r}]"
+        try:
+            split_address(str(address))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        entry_reader = _Reader(entry, where, ("publisher", "replay"))
+        publisher = _zmq_address(entry_reader.get("publisher", str, None), f"{where}.publisher")
+        replay = entry_reader.get("replay", str, None)
+        if replay is not None:
+            _zmq_address(replay, f"{where}.replay")
+        endpoints.append((str(address), KVEventSourceConfig(publisher, replay)))
+    timeout = raw.get("replayTimeout")
+    return KVEventsConfig(
+        mode=mode,
+        bind=_zmq_address(reader.get("bind", str, defaults.bind), "kvEvents.bind"),
+        publisher_port=ports["publisherPort"],
+        replay_port=ports["replayPort"],
+        endpoints=tuple(endpoints),
+        topic_filter=reader.get("topicFilter", str, defaults.topic_filter),
+        model=reader.get("model", str, defaults.model),
+        replay_timeout_s=defaults.replay_timeout_s
+        if timeout is None
+        else parse_duration_s(timeout, "kvEvents.replayTimeout"),
+        catch_up=reader.get("catchUp", bool, defaults.catch_up),
+    )
+
+
+def _parse_index(raw: Any) -> IndexConfig:
+    from picker.state.block_keys import HASH_ALGOS
+
+    reader = _Reader(
+        raw,
+        "index",
+        (
+            "backend",
+            "url",
+            "keyPrefix",
+            "blockSizeTokens",
+            "keys",
+            "hashAlgo",
+            "hashSeed",
+            "capacityBlocksPerEndpoint",
+            "maxBlocks",
+            "timeout",
+            "retryInterval",
+        ),
+    )
+    defaults = IndexConfig()
+    backend = reader.get("backend", str, defaults.backend)
+    if backend not in ("memory", "redis"):
+        raise ConfigError(f"index.backend: must be memory or redis, got {backend!r}")
+    url = reader.get("url", str, defaults.url)
+    if not url.startswith(_REDIS_SCHEMES):
+        raise ConfigError(
+            f"index.url: expected redis://, rediss://, valkey:// or unix://, got {url!r}"
+        )
+    keys = reader.get("keys", str, defaults.keys)
+    if keys not in ("dual", "strict"):
+        raise ConfigError(f"index.keys: must be dual or strict, got {keys!r}")
+    hash_algo = reader.get("hashAlgo", str, defaults.hash_algo)
+    if hash_algo not in HASH_ALGOS:
+        raise ConfigError(
+            f"index.hashAlgo: must be one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}"
+        )
+    hash_seed = reader.get("hashSeed", (str, int), defaults.hash_seed)
+    counts = {}
+    for key, default in (
+        ("blockSizeTokens", defaults.block_size_tokens),
+        ("capacityBlocksPerEndpoint", defaults.capacity_blocks_per_endpoint),
+        ("maxBlocks", defaults.max_blocks),
+    ):
+        value = reader.get(key, int, default)
+        if value < 1:
+            raise ConfigError(f"index.{key}: must be >= 1, got {value}")
+        counts[key] = value
+    key_prefix = reader.get("keyPrefix", str, defaults.key_prefix)
+    if not key_prefix:
+        raise ConfigError("index.keyPrefix: must not be empty")
+
+    def duration(key: str, default: float) -> float:
+        value = raw.get(key)
+        return default if value is None else parse_duration_s(value, f"index.{key}")
+
+    return IndexConfig(
+        backend=backend,
+        url=url,
+        key_prefix=key_prefix,
+        block_size_tokens=counts["blockSizeTokens"],
+        keys=keys,
+        hash_algo=hash_algo,
+        hash_seed=str(hash_seed),
+        capacity_blocks_per_endpoint=counts["capacityBlocksPerEndpoint"],
+        max_blocks=counts["maxBlocks"],
+        timeout_s=duration("timeout", defaults.timeout_s),
+        retry_interval_s=duration("retryInterval", defaults.retry_interval_s),
+    )
+
+
+def _check_precise_prefix(
+    plugins: tuple[PluginConfig, ...], kv_events: KVEventsConfig | None, index: IndexConfig
+) -> None:
+    """Precise prefix matching needs an event source, or a shared index others write."""
+    for i, plugin in enumerate(plugins):
+        if getattr(plugin.params, "mode", None) != "precise":
+            continue
+        if kv_events is None and index.backend != "redis":
+            raise ConfigError(
+                f"plugins[{i}] ({plugin.name}): mode precise needs a kvEvents section (where the "
+                "endpoints publish KV events), or index.backend: redis to read a shared index"
+            )

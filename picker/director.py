@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from picker.admission import Admission
@@ -17,7 +17,7 @@ from picker.errors import InternalError, NoEndpointsError, PickerError, Saturate
 from picker.handlers.body import parse_request
 from picker.metrics import PickerMetrics
 from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.types import LLMRequest, SchedulingResult
+from picker.scheduling.types import LLMRequest, Prepare, SchedulingResult
 from picker.state.endpoints import Endpoint, EndpointStore
 from picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
@@ -49,6 +49,8 @@ class Director:
         self.rng = rng
         self.metrics = metrics
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
+        self._preparers: list[Prepare] = []
+        self._preparers_of: Scheduler | None = None
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already scheduled keep their picks."""
@@ -83,6 +85,29 @@ class Director:
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> LLMRequest:
         return parse_request(body, headers, self.config.models)
+
+    def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
+        """Async work plugins need before :meth:`schedule`, or None when there is none.
+
+        The caller awaits the result (if any), then schedules; see ``types.Prepare``. It never
+        raises: a plugin that could not prepare gives no signal for this request.
+        """
+        scheduler = self.scheduler
+        if self._preparers_of is not scheduler:
+            self._preparers = [p for p in scheduler.plugins.values() if isinstance(p, Prepare)]
+            self._preparers_of = scheduler
+        pending: list[Awaitable[None]] | None = None
+        for plugin in self._preparers:
+            try:
+                awaitable = plugin.prepare(request)
+            except Exception:
+                log.exception("prepare of plugin %r failed", plugin.name)
+                continue
+            if awaitable is not None:
+                if pending is None:
+                    pending = []
+                pending.append(awaitable)
+        return None if pending is None else _await_all(pending)
 
     def schedule(
         self, request: LLMRequest, metadata: Mapping[str, Any] | None, explain: bool = False
@@ -128,6 +153,14 @@ class Director:
         # The endpoint may have left the pool (and its id been reused) meanwhile.
         if self.store.get(endpoint.id) is endpoint and self.store.in_flight[endpoint.id] > 0:
             self.store.in_flight[endpoint.id] -= 1
+
+
+async def _await_all(pending: list[Awaitable[None]]) -> None:
+    for awaitable in pending:
+        try:
+            await awaitable
+        except Exception:
+            log.exception("preparing a request failed: scheduling without that signal")
 
 
 def _subset_hint(metadata: Mapping[str, Any] | None) -> frozenset[str] | None:

@@ -294,6 +294,11 @@ class LocalStack:
         workdir: where configs and logs go (a temporary directory by default).
         extra_endpoints: addresses added to the picker's config without starting anything
             (e.g. to test endpoints that are down).
+        kv_events: the endpoints publish KV events (a PUB and a replay port each, on
+            127.0.0.1) and the picker's config gets a ``kvEvents`` section naming them (unless
+            ``picker_config`` has its own).
+        kv_events_encoding: ``array`` or ``map`` event encoding of the endpoints.
+        tokenizer: model directory the endpoints tokenize with (``--tokenizer``).
     """
 
     def __init__(
@@ -307,6 +312,9 @@ class LocalStack:
         extra_endpoints: Sequence[str] = (),
         sim_args: Sequence[str] = (),
         start_envoy: bool = True,
+        kv_events: bool = False,
+        kv_events_encoding: str = "array",
+        tokenizer: str | Path | None = None,
     ) -> None:
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
         self.picker_config = dict(picker_config or {})
@@ -316,6 +324,11 @@ class LocalStack:
         self.extra_endpoints = list(extra_endpoints)
         self.sim_args = list(sim_args)
         self.start_envoy = start_envoy
+        self.kv_events = kv_events
+        self.kv_events_encoding = kv_events_encoding
+        self.tokenizer = str(tokenizer) if tokenizer is not None else None
+        # Per endpoint address: (publisher, replay) ZMQ addresses of its KV events.
+        self.kv_event_addresses: dict[str, tuple[str, str]] = {}
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kv-picker-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -372,6 +385,7 @@ class LocalStack:
                 str(self.time_scale),
                 "--seed",
                 str(i),
+                *self._kv_event_args(address),
                 *self.sim_args,
                 *spec.extra_args,
             ]
@@ -381,6 +395,33 @@ class LocalStack:
         for proc, address in zip(self.processes, self.sim_addresses, strict=True):
             health_url = f"http://{address}/health"
             proc.wait_until(lambda url=health_url: http_get(url)[0] == 200, 30.0, "health")  # type: ignore[misc]
+
+    def _kv_event_args(self, address: str) -> list[str]:
+        args = ["--tokenizer", self.tokenizer] if self.tokenizer else []
+        if self.kv_events:
+            publisher_port, replay_port = free_port(), free_port()
+            self.kv_event_addresses[address] = (
+                f"tcp://127.0.0.1:{publisher_port}",
+                f"tcp://127.0.0.1:{replay_port}",
+            )
+            args += ["--kv-events-port", str(publisher_port)]
+            args += ["--kv-events-replay-port", str(replay_port)]
+            args += ["--kv-events-encoding", self.kv_events_encoding]
+        return args
+
+    def restart_sim(self, index: int, downtime_s: float = 0.0) -> None:
+        """Stop one endpoint and, ``downtime_s`` later, start it again on the same ports.
+
+        Its cache starts empty, as a restarted vLLM's does. Blocking: run it in a thread to
+        keep traffic flowing meanwhile.
+        """
+        old = next(p for p in self.processes if p.name == f"sim-{index}")
+        old.stop()
+        time.sleep(downtime_s)
+        proc = ManagedProcess(old.name, old.argv, self.workdir / f"sim-{index}.restarted.log")
+        self.processes[self.processes.index(old)] = proc
+        health_url = f"http://{self.sim_addresses[index]}/health"
+        proc.wait_until(lambda: http_get(health_url)[0] == 200, 30.0, "health")
 
     def write_picker_config(self, picker_config: dict[str, Any] | None = None) -> Path:
         config = dict(picker_config if picker_config is not None else self.picker_config)
@@ -399,6 +440,14 @@ class LocalStack:
             endpoints.append({"address": address, "labels": labels})
         endpoints += [{"address": address} for address in self.extra_endpoints]
         config["endpoints"] = endpoints
+        if self.kv_events and "kvEvents" not in config:
+            config["kvEvents"] = {
+                "mode": "connect",
+                "endpoints": {
+                    address: {"publisher": publisher, "replay": replay}
+                    for address, (publisher, replay) in self.kv_event_addresses.items()
+                },
+            }
         path = self.workdir / "picker.yaml"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))

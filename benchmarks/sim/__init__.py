@@ -6,6 +6,8 @@ Layers, each usable on its own:
 - :mod:`~benchmarks.sim.cache`: vLLM-compatible block hashing and the finite prefix cache.
 - :mod:`~benchmarks.sim.engine`: pure continuous-batching and timing model (clock injected),
   shared with the offline cluster simulator.
+- :mod:`~benchmarks.sim.events`: the cache's changes as vLLM KV events (ZMQ PUB, msgpack,
+  array or map encoding) with a replay socket.
 - :mod:`~benchmarks.sim.server`: the aiohttp OpenAI-compatible server, ``/metrics`` and the
   command line (``python -m benchmarks.sim --port 8000``).
 """
@@ -31,6 +33,7 @@ from benchmarks.sim.engine import (
     TokenEvent,
     hardware_class,
 )
+from benchmarks.sim.events import KVEventPublisher
 from benchmarks.sim.server import (
     ENDPOINT_HEADER,
     ROLES,
@@ -56,6 +59,7 @@ __all__ = [
     "EngineStats",
     "FinishedRequest",
     "HardwareClass",
+    "KVEventPublisher",
     "PrefixCache",
     "RequestRejected",
     "SimEndpoint",

@@ -26,6 +26,11 @@ Scheduling follows vLLM v1 at the level a router can observe:
   the batch size. ``decode_speed`` and ``prefill_speed`` come from the hardware class.
 - Output tokens are pseudo-random but deterministic (seeded by the prompt and ``seed``), and
   every request generates exactly ``max_tokens`` tokens (finish reason ``length``).
+- Blocks become cached as their KV is computed, as in vLLM: prompt blocks as prefill chunks
+  complete, and blocks of prompt tail plus output as decode fills them (the KV of an output
+  token exists from the step after it was sampled). A listener hears every stored block
+  together with the storing request's LoRA adapter and cache salt, which vLLM's
+  ``BlockStored`` events carry and the cache itself does not know.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from types import MappingProxyType
 import xxhash
 
 from benchmarks.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
+from benchmarks.sim.cache import _digest as _block_digest  # keys must equal BlockHasher's
 from benchmarks.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
 DEFAULT_NUM_GPU_BLOCKS = 2048
@@ -293,6 +299,38 @@ class _Request:
     num_output_tokens: int = 0
     scheduled_s: float | None = None
     first_token_s: float | None = None
+    cache_salt: str | None = None
+    # Digest of the last full block hashed (the chain continues from it as decode fills blocks).
+    last_digest: bytes | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class _RequestListener:
+    """Forwards cache notifications, adding the storing request's LoRA name and cache salt.
+
+    A listener with ``on_stored_for_request(blocks, lora_name, cache_salt)`` (the KV-event
+    publisher) gets them; any other listener gets plain ``on_stored(blocks)``.
+    """
+
+    __slots__ = ("cache_salt", "listener", "lora_name")
+
+    def __init__(self, listener: CacheEventListener) -> None:
+        self.listener = listener
+        self.lora_name: str | None = None
+        self.cache_salt: str | None = None
+
+    def on_stored(self, blocks: Sequence[StoredBlock]) -> None:
+        with_request = getattr(self.listener, "on_stored_for_request", None)
+        if with_request is not None:
+            with_request(blocks, self.lora_name, self.cache_salt)
+        else:
+            self.listener.on_stored(blocks)
+
+    def on_removed(self, block_hashes: Sequence[int]) -> None:
+        self.listener.on_removed(block_hashes)
+
+    def on_cleared(self) -> None:
+        self.listener.on_cleared()
 
 
 _EMPTY_TOKENS: list[TokenEvent] = []
@@ -316,7 +354,9 @@ class SimEngine:
         """
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_seed)
-        self.cache = PrefixCache(config.resolved_num_gpu_blocks, listener)
+        self._none_hash = _block_digest(config.hash_seed)
+        self._listener = _RequestListener(listener) if listener is not None else None
+        self.cache = PrefixCache(config.resolved_num_gpu_blocks, self._listener)
         self.stats = EngineStats()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -402,7 +442,7 @@ class SimEngine:
                 f"{self.cache.num_gpu_blocks}"
             )
         prompt = list(prompt_token_ids)
-        keys = self.hasher.block_keys(prompt, lora_name=lora_name, cache_salt=cache_salt)
+        keys, last_digest = self._hash_blocks(prompt, 0, None, lora_name, cache_salt)
         output_seed = xxhash.xxh32_intdigest(
             array("I", prompt).tobytes(), seed=config.seed & 0xFFFFFFFF
         )
@@ -415,6 +455,8 @@ class SimEngine:
             arrival_s=now_s,
             output_seed=output_seed,
             num_blocks_total=num_blocks_total,
+            cache_salt=cache_salt,
+            last_digest=last_digest,
         )
         self._by_id[req_id] = request
         self._waiting.append(request)
@@ -510,9 +552,12 @@ class SimEngine:
             request.num_output_tokens = index + 1
             self.stats.generation_tokens += 1
             done = request.num_output_tokens >= request.max_tokens
-            tokens.append(
-                TokenEvent(request.req_id, self._output_token(request, index), index, end_s, done)
-            )
+            token_id = self._output_token(request, index)
+            if index > 0:
+                # This step computed the KV of the previous output token.
+                self._store_filled_blocks(request, len(request.prompt_token_ids) + index)
+            request.output_token_ids.append(token_id)
+            tokens.append(TokenEvent(request.req_id, token_id, index, end_s, done))
             if done:
                 finished.append(self._finish(request, "length", end_s))
 
@@ -562,9 +607,72 @@ class SimEngine:
             )
             for index in range(first, num_full)
         ]
-        self.cache.store(blocks)
+        self._store(request, blocks)
         request.num_held_keys = num_full
         request.num_private_blocks -= len(blocks)
+
+    def _store_filled_blocks(self, request: _Request, num_kv_tokens: int) -> None:
+        """Cache the blocks decode has filled: full blocks of prompt tail plus output."""
+        block_size = self.config.block_size
+        keys = request.block_keys
+        num_full = num_kv_tokens // block_size
+        first = len(keys)
+        if num_full <= first or request.num_held_keys < first:
+            return  # nothing new, or the prompt's own blocks are not all cached yet
+        prompt = request.prompt_token_ids
+        start = first * block_size
+        outputs = request.output_token_ids
+        sequence = (
+            prompt[start:] + outputs[max(0, start - len(prompt)) : num_kv_tokens - len(prompt)]
+        )
+        new_keys, request.last_digest = self._hash_blocks(
+            sequence, first, request.last_digest, request.lora_name, request.cache_salt
+        )
+        blocks = [
+            StoredBlock(
+                key,
+                keys[-1] if i == 0 and keys else (new_keys[i - 1] if i else None),
+                tuple(sequence[i * block_size : (i + 1) * block_size]),
+            )
+            for i, key in enumerate(new_keys)
+        ]
+        keys.extend(new_keys)
+        self._store(request, blocks)
+        request.num_held_keys = len(keys)
+        request.num_private_blocks -= len(blocks)
+
+    def _store(self, request: _Request, blocks: list[StoredBlock]) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener.lora_name = request.lora_name
+            listener.cache_salt = request.cache_salt
+        self.cache.store(blocks)
+
+    def _hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        first_index: int,
+        parent: bytes | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> tuple[list[int], bytes | None]:
+        """Keys of the full blocks of ``token_ids``, numbered from ``first_index``.
+
+        The same chain as :meth:`BlockHasher.block_keys` (vLLM's ``xxhash`` algorithm), kept
+        resumable: returns the last digest, from which the next block continues.
+        """
+        block_size = self.config.block_size
+        lora_keys: tuple[str, ...] = (lora_name,) if lora_name else ()
+        rest_extra = lora_keys or None
+        first_extra = (*lora_keys, cache_salt) if cache_salt else rest_extra
+        digest = parent if parent is not None else self._none_hash
+        keys: list[int] = []
+        for i in range(len(token_ids) // block_size):
+            index = first_index + i
+            block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            digest = _block_digest((digest, block, first_extra if index == 0 else rest_extra))
+            keys.append(int.from_bytes(digest[-8:], "big"))
+        return keys, (digest if keys else parent)
 
     def _release(self, request: _Request) -> None:
         self.cache.release(request.block_keys[: request.num_held_keys], request.num_private_blocks)

@@ -13,6 +13,13 @@ Routes, as a gateway sees a vLLM OpenAI server:
 Every response carries ``x-kv-picker-sim-endpoint: host:port`` so tests can tell which endpoint
 served a request.
 
+Options that make it a precise-routing peer: ``--tokenizer DIR`` tokenizes with a Hugging Face
+``tokenizer.json`` and the chat template of ``tokenizer_config.json`` (the same files a precise
+picker loads, so both see the same token ids; the built-in tokenizer stays the default), and
+``--kv-events-port`` publishes the prefix cache's changes as vLLM KV events on a ZMQ PUB socket
+(``--kv-events-replay-port`` adds the replay socket, ``--kv-events-encoding`` picks the array or
+map event encoding; see :mod:`benchmarks.sim.events`).
+
 Time: one asyncio task runs engine steps back to back while there is work and sleeps each
 step's duration times ``time_scale`` (wall seconds per model second: 1.0 is real time, 0.01 is
 a hundred times faster). Model time follows the wall clock divided by ``time_scale`` while the
@@ -51,8 +58,10 @@ from benchmarks.sim.engine import (
     TokenEvent,
     hardware_class,
 )
+from benchmarks.sim.events import ENCODINGS, KVEventPublisher, default_topic
 from benchmarks.sim.metrics import SimMetrics
 from benchmarks.sim.tokenizer import VOCAB_SIZE, decode, decode_token, encode, render_chat
+from picker.state.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +99,12 @@ class SimEndpointConfig:
         lora_modules: Served LoRA adapter names (requests may name them as ``model``).
         max_loras: Reported ``max_lora`` of ``vllm:lora_requests_info``.
         advertise_address: ``host:port`` for the endpoint header; defaults to the bound one.
+        tokenizer: model directory (or ``tokenizer.json``) to tokenize with instead of the
+            built-in tokenizer.
+        kv_events_port: PUB port of the KV-event publisher (None: no events; 0: a free port).
+        kv_events_replay_port: ROUTER port answering replays (None: no replay socket).
+        kv_events_encoding: ``array`` or ``map`` event encoding.
+        kv_events_topic: first frame of every message; default ``kv@<address>@<model>``.
     """
 
     host: str = "127.0.0.1"
@@ -108,6 +123,11 @@ class SimEndpointConfig:
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
     advertise_address: str | None = None
+    tokenizer: str | None = None
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_encoding: str = "array"
+    kv_events_topic: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -121,6 +141,12 @@ class SimEndpointConfig:
         if self.model in self.lora_modules:
             raise ValueError(f"LoRA name {self.model!r} equals the served model name")
         hardware_class(self.hardware_class)
+        if self.kv_events_encoding not in ENCODINGS:
+            raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
         self.engine_config()
 
     def engine_config(self) -> EngineConfig:
@@ -229,15 +255,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _token_ids(values: list[Any]) -> list[int]:
+def _token_ids(values: list[Any], vocab_size: int = VOCAB_SIZE) -> list[int]:
     if not all(_is_int(v) for v in values):
         raise _BadRequest("prompt token ids must be integers")
-    if any(not 0 <= v < VOCAB_SIZE for v in values):
-        raise _BadRequest(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+    if any(not 0 <= v < vocab_size for v in values):
+        raise _BadRequest(f"prompt token ids must be in [0, {vocab_size})")
     return list(values)
 
 
-def _prompt_token_ids(prompt: Any) -> list[int]:
+def _prompt_token_ids(
+    prompt: Any, encode: Callable[[str], list[int]] = encode, vocab_size: int = VOCAB_SIZE
+) -> list[int]:
     if isinstance(prompt, str):
         return encode(prompt)
     if not isinstance(prompt, list) or not prompt:
@@ -249,8 +277,8 @@ def _prompt_token_ids(prompt: Any) -> list[int]:
     if all(isinstance(p, list) for p in prompt):
         if len(prompt) != 1:
             raise _BadRequest("only one prompt per request is supported")
-        return _token_ids(prompt[0])
-    return _token_ids(prompt)
+        return _token_ids(prompt[0], vocab_size)
+    return _token_ids(prompt, vocab_size)
 
 
 def _max_tokens(payload: dict[str, Any], kind: Kind) -> int:
@@ -282,6 +310,18 @@ class SimEndpoint:
             listener: Optional receiver of the prefix cache's notifications (KV events).
         """
         self.config = config
+        self.tokenizer = PromptTokenizer.load(config.tokenizer) if config.tokenizer else None
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events_port is not None:
+            self.publisher = KVEventPublisher(
+                config.kv_events_port,
+                encoding=config.kv_events_encoding,
+                block_size=config.block_size,
+                replay_port=config.kv_events_replay_port,
+                host=config.host,
+                forward_to=listener,
+            )
+            listener = self.publisher
         self.engine = SimEngine(config.engine_config(), listener)
         self.metrics = SimMetrics(
             self.engine,
@@ -366,6 +406,16 @@ class SimEndpoint:
         self._host, self._port = str(sockname[0]), int(sockname[1])
         if not self.config.advertise_address:
             self._address = f"{self._host}:{self._port}"
+        if self.publisher is not None:
+            self.publisher.set_topic(
+                self.config.kv_events_topic or default_topic(self._address, self.config.model)
+            )
+            try:
+                await self.publisher.start()
+            except BaseException:
+                await runner.cleanup()
+                self._runner = None
+                raise
         self._engine_task = asyncio.create_task(self._run_engine(), name=f"sim-engine-{self.port}")
         logger.info("simulated endpoint %s serving %s", self._address, self.config.model)
 
@@ -385,6 +435,8 @@ class SimEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.publisher is not None:
+            await self.publisher.stop()
 
     async def __aenter__(self) -> SimEndpoint:
         await self.start()
@@ -562,14 +614,30 @@ class SimEndpoint:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise _BadRequest("'messages' is required and must be a non-empty list")
+            tokenizer = self.tokenizer
             try:
-                prompt_token_ids = encode(render_chat(messages))
+                if tokenizer is None:
+                    prompt_token_ids = encode(render_chat(messages))
+                else:
+                    # The template carries the special tokens, as vLLM's chat path assumes.
+                    generation_prompt = bool(payload.get("add_generation_prompt", True))
+                    if payload.get("continue_final_message"):
+                        generation_prompt = False
+                    prompt_token_ids = tokenizer.encode(
+                        tokenizer.render_chat(messages, generation_prompt),
+                        add_special_tokens=False,
+                    )
             except ValueError as exc:
                 raise _BadRequest(f"invalid 'messages': {exc}") from None
         else:
             if "prompt" not in payload:
                 raise _BadRequest("'prompt' is required")
-            prompt_token_ids = _prompt_token_ids(payload["prompt"])
+            if self.tokenizer is None:
+                prompt_token_ids = _prompt_token_ids(payload["prompt"])
+            else:
+                prompt_token_ids = _prompt_token_ids(
+                    payload["prompt"], self.tokenizer.encode, self.tokenizer.vocab_size
+                )
         if not prompt_token_ids:
             raise _BadRequest("the prompt is empty")
 
@@ -871,6 +939,36 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"value of the {ENDPOINT_HEADER} header (default: the bound host:port)",
     )
     parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenize with this model directory's tokenizer.json and chat template "
+        "(default: the built-in tokenizer)",
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish vLLM KV events on a ZMQ PUB socket bound to this port on --host",
+    )
+    parser.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        help="serve KV-event replays (ZMQ ROUTER) on this port",
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        choices=ENCODINGS,
+        default="array",
+        help="event encoding: array (vLLM before 0.26) or map (newer) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-events-topic",
+        default=None,
+        help="topic frame of KV events (default kv@<endpoint>@<model>)",
+    )
+    parser.add_argument(
         "--log-level",
         default="WARNING",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -902,6 +1000,11 @@ def config_from_args(args: argparse.Namespace) -> SimEndpointConfig:
         lora_modules=tuple(item.split("=", 1)[0] for item in args.lora_modules),
         max_loras=args.max_loras,
         advertise_address=args.advertise_address,
+        tokenizer=args.tokenizer,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_encoding=args.kv_events_encoding,
+        kv_events_topic=args.kv_events_topic,
     )
 
 

@@ -161,4 +161,5 @@ def parse_request(
         lora_adapter=lora_adapter,
         headers=headers,
         body_size_bytes=len(body),
+        body=data,
     )

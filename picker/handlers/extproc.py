@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -63,6 +63,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             async for message in request_iterator:
                 for response in stream.handle(message):
                     yield response
+                if stream.preparing is not None:
+                    # Plugins' async work before the synchronous pick (see Director.prepare).
+                    await stream.preparing
+                    for response in stream.resume():
+                        yield response
                 if stream.closed:
                     return
         finally:
@@ -91,6 +96,10 @@ class RequestStream:
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
+        # Set when the pick waits for Director.prepare: Process awaits it, then resume().
+        self.preparing: Awaitable[None] | None = None
+        self._resume_end_of_stream = True
+        self._trailers_after_pick = False
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -170,6 +179,9 @@ class RequestStream:
         if self.endpoint is None and self.request_body_mode == FULL_DUPLEX:
             # Trailers end the body when the client sent them.
             yield from self._route_body(end_of_stream=False)
+            if self.preparing is not None:
+                self._trailers_after_pick = True  # answered in order, after the pick
+                return
         yield responses.CONTINUE_TRAILERS_REQUEST
 
     def _route_body(self, end_of_stream: bool) -> Iterator[pb.ProcessingResponse]:
@@ -180,6 +192,30 @@ class RequestStream:
         request = self.director.parse(body, self.headers)
         self.model = request.model
         self.request = request
+        self.preparing = self.director.prepare(request)
+        if self.preparing is not None:
+            self._resume_end_of_stream = end_of_stream
+            return
+        yield from self._pick(request, body, end_of_stream)
+
+    def resume(self) -> Iterator[pb.ProcessingResponse]:
+        """Finish routing once :attr:`preparing` is done (like :meth:`handle`, never raises)."""
+        self.preparing = None
+        if self.request is None:
+            return
+        try:
+            yield from self._pick(self.request, self.body_chunks[0], self._resume_end_of_stream)
+            if self._trailers_after_pick:
+                yield responses.CONTINUE_TRAILERS_REQUEST
+        except PickerError as error:
+            yield self._fail(error)
+        except Exception as exc:  # never leave Envoy waiting on a bug
+            log.exception("ext_proc stream failed")
+            yield self._fail(InternalError(f"{type(exc).__name__}: {exc}"))
+
+    def _pick(
+        self, request: LLMRequest, body: bytes, end_of_stream: bool
+    ) -> Iterator[pb.ProcessingResponse]:
         result = self.director.schedule(request, self.metadata)
         endpoint = result.primary.targets[0]
         for profile, profile_result in result.profile_results.items():

@@ -11,12 +11,16 @@ Plugins are small: they never see weights, clamping or timing, which live in the
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from picker.state.endpoints import Endpoint, EndpointStore
 from picker.state.hardware import HardwareTable
+
+if TYPE_CHECKING:
+    from picker.state.kv_index import KVBlockIndex
+    from picker.state.redis_index import RedisKVIndex
 
 
 @dataclass(slots=True)
@@ -37,6 +41,8 @@ class LLMRequest:
         headers: request headers, lower-cased names.
         priority: admission priority; negative means sheddable.
         body_size_bytes: size of the request body.
+        body: the decoded JSON body (precise prefix matching tokenizes chat messages with the
+            model's chat template, and uses the token ids a completion sent).
         state: per-request scratch space for plugins (e.g. the prefix keys computed by a
             scorer and recorded after the pick).
     """
@@ -54,6 +60,7 @@ class LLMRequest:
     priority: int = 0
     body_size_bytes: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    body: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -90,6 +97,8 @@ class BuildContext:
     # State that outlives one config (e.g. a prefix index kept across a reload), by key.
     shared: dict[str, Any] = field(default_factory=dict)
     hardware: HardwareTable = field(default_factory=HardwareTable)
+    # The precise KV-block index fed by KV events (None when the config has no KV events).
+    kv_index: KVBlockIndex | RedisKVIndex | None = None
 
 
 class Plugin(Protocol):
@@ -119,6 +128,19 @@ class Picker(Plugin, Protocol):
         self, request: LLMRequest, candidates: Sequence[Endpoint], totals: Sequence[float]
     ) -> list[Endpoint]:
         """Choose endpoints, best first (at least one when candidates are non-empty)."""
+        ...
+
+
+@runtime_checkable
+class Prepare(Plugin, Protocol):
+    def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
+        """Start async work the request needs before the synchronous schedule.
+
+        Returns an awaitable the caller awaits before scheduling (e.g. tokenizing a long prompt
+        on a thread pool, fetching index entries from a shared backend), or None when there is
+        nothing to wait for (the common case: no coroutine is created). The work must not raise;
+        whatever it could not do means "no signal" in the plugin's scores.
+        """
         ...
 
 

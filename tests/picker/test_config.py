@@ -118,7 +118,7 @@ def test_durations() -> None:
         ({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "exact"}}]}, ["mode"]),
         (
             {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"mode": "precise"}}]},
-            ["precise", "not"],
+            ["prefix-cache-scorer", "tokenizer", "required in precise mode"],
         ),
         ({"plugins": [{"type": "queue-scorer"}, {"type": "queue-scorer"}]}, ["used twice"]),
         (

@@ -1,0 +1,375 @@
+"""The Redis-backed precise index against a real redis-server: same answers as the in-process
+index, one round trip per lookup, and an outage that costs the signal, never a request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from picker.config import parse_config
+from picker.director import Director
+from picker.metrics import PickerMetrics
+from picker.scheduling.registry import builtin_registry
+from picker.scheduling.scheduler import Scheduler
+from picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
+from picker.state.kv_index import EventKeys, KVBlockIndex
+from picker.state.redis_index import RedisKVIndex
+from tests.fakes import make_context, make_request, make_store
+
+TOKENIZER = Path(__file__).resolve().parents[3] / "benchmarks" / "tokenizer"
+
+
+def _server_binary() -> str:
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.fail("no redis-server or valkey-server on PATH (.ci/run installs one)", pytrace=False)
+
+
+class RedisServer:
+    """A throwaway redis-server on 127.0.0.1, without persistence."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = [_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=0.5).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    running = RedisServer()
+    try:
+        yield running
+    finally:
+        running.kill()
+
+
+@pytest.fixture
+async def shared(server: RedisServer) -> AsyncIterator[tuple[RedisKVIndex, Any]]:
+    """A Redis-backed index over a four-endpoint store, with its writer task running."""
+    store = make_store(4)
+
+    def address_of(endpoint_id: int) -> str | None:
+        endpoint = store.get(EndpointId(endpoint_id))
+        return None if endpoint is None else endpoint.address
+
+    index = RedisKVIndex(
+        EventKeys(block_size_tokens=4),
+        server.url,
+        "test",
+        address_of,
+        timeout_s=0.5,
+        retry_s=0.1,
+        metrics=PickerMetrics(),
+    )
+    task = asyncio.create_task(index.run())
+    try:
+        await wait_for(lambda: index.available)
+        yield index, store
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await index.close()
+
+
+async def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+async def settle(index: RedisKVIndex) -> None:
+    """Wait until queued writes have been sent."""
+    await asyncio.sleep(0.01)  # let the writer pick them up
+    await index.drain()
+
+
+async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, Any]) -> None:
+    index, store = shared
+    local = KVBlockIndex(EventKeys(block_size_tokens=4))
+    rng = random.Random(7)
+    documents = [[rng.randrange(50) for _ in range(24)] for _ in range(5)]
+    stored: dict[int, list[tuple[int, int]]] = {e: [] for e in range(4)}  # (doc, blocks)
+    next_hash = 1
+    for _ in range(200):
+        endpoint = rng.randrange(4)
+        action = rng.random()
+        if action < 0.6:
+            doc = rng.randrange(len(documents))
+            blocks = rng.randint(1, 6)
+            hashes = list(range(next_hash, next_hash + blocks))
+            next_hash += blocks
+            tokens = documents[doc][: 4 * blocks]
+            for target in (index, local):
+                target.apply_stored(endpoint, hashes, None, tokens, 4, "m")
+            stored[endpoint].append((doc, blocks))
+        elif action < 0.9:
+            victims = [rng.randrange(1, next_hash + 1) for _ in range(3)]
+            for target in (index, local):
+                target.apply_removed(endpoint, victims)
+        else:
+            for target in (index, local):
+                target.clear_endpoint(endpoint)
+    await settle(index)
+    runs = [0] * 4
+    for doc in documents:
+        keys = local.event_keys.request_keys(doc, "m", None, None)
+        local.match_runs(keys, 0b1111, runs)
+        expected = {store.all()[e].address: runs[e] for e in range(4) if runs[e]}
+        assert await index.lookup(keys) == expected
+    assert index.num_blocks() == local.num_blocks()
+
+
+async def test_one_round_trip_per_lookup(
+    shared: tuple[RedisKVIndex, Any], server: RedisServer
+) -> None:
+    index, _ = shared
+    tokens = list(range(4 * 500))
+    index.apply_stored(1, list(range(1, 501)), None, tokens, 4, "m")
+    await settle(index)
+    keys = index.event_keys.request_keys(tokens, "m", None, None)
+    admin = server.client()
+    admin.config_resetstat()
+    assert await index.lookup(keys) == {"10.0.0.2:8000": 500}
+    stats = admin.info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
+    # One EVALSHA; the set commands are the script's own, run inside Redis.
+    assert calls.pop("evalsha") == 1
+    assert set(calls) <= {"config|resetstat", "get"}
+    # Removal and clearing reach Redis too.
+    index.apply_removed(1, [250])
+    await settle(index)
+    assert await index.lookup(keys) == {"10.0.0.2:8000": 249}
+    index.clear_endpoint(1)
+    await settle(index)
+    assert await index.lookup(keys) == {}
+    assert not admin.keys("test:b:*")  # empty bitmaps are deleted
+
+
+async def test_lost_data_is_resynced_from_the_ledger(
+    shared: tuple[RedisKVIndex, Any], server: RedisServer
+) -> None:
+    index, _ = shared
+    tokens = list(range(40))
+    index.apply_stored(2, list(range(1, 11)), None, tokens, 4, "m")
+    await settle(index)
+    keys = index.event_keys.request_keys(tokens, "m", None, None)
+    server.client().flushall()  # e.g. a restart without persistence
+    index.apply_stored(3, [99], None, tokens[:4], 4, "m")  # the next write notices
+    await wait_for(lambda: server.client().exists("test:e:10.0.0.3:8000") == 1)
+    assert await index.lookup(keys) == {"10.0.0.3:8000": 10, "10.0.0.4:8000": 1}
+
+
+async def test_outage_means_no_signal_and_the_signal_returns(server: RedisServer) -> None:
+    store = make_store(4)
+    document = {
+        "plugins": [
+            {
+                "type": "prefix-cache-scorer",
+                "parameters": {
+                    "mode": "precise",
+                    "tokenizer": str(TOKENIZER),
+                    "speculativeTtlSeconds": 0,
+                },
+            },
+            {"type": "max-score-picker"},
+        ],
+        "index": {"backend": "redis", "url": server.url, "timeout": "200ms"},
+    }
+    registry = builtin_registry(include_entry_points=False)
+    config = parse_config(document, registry)
+    metrics = PickerMetrics()
+
+    def address_of(endpoint_id: int) -> str | None:
+        endpoint = store.get(EndpointId(endpoint_id))
+        return None if endpoint is None else endpoint.address
+
+    index = RedisKVIndex(
+        EventKeys(), server.url, "kv-picker", address_of, timeout_s=0.2, retry_s=0.1,
+        metrics=metrics,
+    )  # fmt: skip
+    ctx = make_context(store)
+    ctx.kv_index = index
+    director = Director(config, store, Scheduler(config, registry, ctx, metrics), ctx.rng, metrics)
+    task = asyncio.create_task(index.run())
+    prompt = "the shared context of this group of users " * 30
+    try:
+        await wait_for(lambda: index.available)
+        tokens = director.scheduler.plugins["prefix-cache-scorer"].precise.tokenizer.encode(prompt)
+        blocks = len(tokens) // 16
+        index.apply_stored(2, list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16, "m")
+        await settle(index)
+
+        async def route() -> tuple[str, float]:
+            request = make_request(prompt, body={"model": "m", "prompt": prompt})
+            pending = director.prepare(request)
+            assert pending is not None  # the lookup is fetched before scheduling
+            started = time.monotonic()
+            await pending
+            elapsed = time.monotonic() - started
+            result = director.schedule(request, None)
+            return result.primary.targets[0].address, elapsed
+
+        assert (await route())[0] == "10.0.0.3:8000"
+        server.kill()
+        picks = set()
+        for _ in range(8):
+            address, elapsed = await route()  # still routed, on no cache signal
+            picks.add(address)
+            assert elapsed < 1.0
+        assert len(picks) > 1  # no affinity any more: ties break randomly
+        assert not index.available
+        errors = metrics.registry.get_sample_value(
+            "kv_picker_kv_index_backend_errors_total", {"operation": "lookup"}
+        )
+        assert errors == 1  # later lookups skip the backend until it is back
+        server.start()  # empty: the writer resyncs from its ledger
+        await wait_for(lambda: index.available)
+        await settle(index)
+        assert (await route())[0] == "10.0.0.3:8000"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await index.close()
+
+
+async def test_another_replica_reads_what_this_one_wrote(
+    shared: tuple[RedisKVIndex, Any], server: RedisServer
+) -> None:
+    writer, _ = shared
+    tokens = list(range(64))
+    writer.apply_stored(3, list(range(1, 17)), None, tokens, 4, "m")
+    writer.apply_stored(0, list(range(21, 25)), None, tokens[:16], 4, "m")
+    await settle(writer)
+    # The reader's store numbers the same endpoints differently; addresses are what is shared.
+    reader_store = EndpointStore(time.monotonic)
+    reader_store.set_endpoints(EndpointSpec(f"10.0.0.{i}:8000") for i in (4, 3, 2, 1))
+    assert reader_store.by_address["10.0.0.4:8000"].id == 0
+    reader = RedisKVIndex(
+        EventKeys(block_size_tokens=4),
+        server.url,
+        "test",
+        lambda e: a.address if (a := reader_store.get(EndpointId(e))) else None,
+        timeout_s=0.5,
+    )
+    task = asyncio.create_task(reader.run())
+    try:
+        await wait_for(lambda: reader.available)
+        keys = reader.event_keys.request_keys(tokens, "m", None, None)
+        assert await reader.lookup(keys) == {"10.0.0.4:8000": 16, "10.0.0.1:8000": 4}
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await reader.close()
+
+
+async def test_the_service_runs_the_subscriber_and_the_shared_index(server: RedisServer) -> None:
+    import aiohttp
+
+    from benchmarks.sim.cache import StoredBlock
+    from benchmarks.sim.events import KVEventPublisher
+    from picker.app import PickerApp
+
+    document = {
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "endpoints": [{"address": "127.0.0.1:9"}],
+        "plugins": [
+            {
+                "type": "prefix-cache-scorer",
+                "parameters": {"mode": "precise", "tokenizer": str(TOKENIZER)},
+            },
+            {"type": "max-score-picker"},
+        ],
+        "kvEvents": {"mode": "bind", "bind": "tcp://127.0.0.1:*", "topicFilter": "kv@"},
+        "index": {"backend": "redis", "url": server.url, "keyPrefix": "app"},
+    }
+    registry = builtin_registry(include_entry_points=False)
+    app = PickerApp(parse_config(document, registry), registry)
+    await app.start()
+    publisher = KVEventPublisher(topic="kv@127.0.0.1:9@m")
+    try:
+        assert app.kv_subscriber is not None and isinstance(app.kv_index, RedisKVIndex)
+        await wait_for(lambda: bool(app.kv_subscriber.bound_address))
+        await publisher.start()
+        assert publisher._pub is not None
+        publisher._pub.connect(app.kv_subscriber.bound_address)  # bind mode: endpoints connect
+        tokens = tuple(range(16))
+        for engine_hash in range(1, 200):
+            if app.kv_index.num_blocks():
+                break
+            publisher.on_stored_for_request([StoredBlock(engine_hash, None, tokens)], None, None)
+            publisher.flush()
+            await asyncio.sleep(0.02)
+        await wait_for(lambda: server.client().exists("app:e:127.0.0.1:9") == 1)
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+            async with session.get(url) as response:
+                text = await response.text()
+        (line,) = [x for x in text.splitlines() if x.startswith("kv_picker_kv_index_blocks ")]
+        assert float(line.split()[1]) >= 1
+        assert 'kv_picker_kv_events_applied_total{kind="stored"}' in text
+    finally:
+        await publisher.stop()
+        await app.stop(grace_s=0.5)
+
+
+async def test_an_endpoint_leaving_the_pool_leaves_the_shared_index(
+    shared: tuple[RedisKVIndex, Any], server: RedisServer
+) -> None:
+    index, store = shared
+    store.on_removed(index.remove_endpoint)
+    tokens = list(range(16))
+    index.apply_stored(3, [1, 2, 3, 4], None, tokens, 4, "m")
+    await settle(index)
+    assert server.client().exists("test:e:10.0.0.4:8000") == 1
+    store.set_endpoints([EndpointSpec(e.address) for e in store.all()[:3]])
+    await settle(index)
+    keys = index.event_keys.request_keys(tokens, "m", None, None)
+    assert await index.lookup(keys) == {}
+    assert server.client().exists("test:e:10.0.0.4:8000") == 0
