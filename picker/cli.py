@@ -44,41 +44,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Per-endpoint, per-scorer scores for one request body, without sending it."""
-    import random
-    import time
+    """Per-endpoint, per-scorer scores for one request body, without sending it.
 
-    from picker.config import hardware_table
-    from picker.director import Director
-    from picker.metrics import PickerMetrics
-    from picker.scheduling.scheduler import Scheduler
-    from picker.scheduling.types import BuildContext
-    from picker.sources.scraper import MetricsScraper
-    from picker.state.endpoints import EndpointStore
+    The picker is built exactly as ``serve`` builds it (same plugins, same index backend), but
+    no server starts; with ``--scrape`` the endpoints' metrics are read once, otherwise every
+    endpoint counts as ready and idle.
+    """
+    from picker.app import PickerApp
+    from picker.scheduling.types import LLMRequest, SchedulingResult
 
     config, registry = _load(args.config)
     try:
         body = Path(args.request).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{args.request}: cannot read request: {exc.strerror}") from exc
-    store = EndpointStore(time.monotonic)
-    store.set_endpoints(config.endpoints)
-    metrics = PickerMetrics()
-    if args.scrape:
-        scraper = MetricsScraper(store, metrics, 1.0, config.metrics.timeout_s, config.metrics.path)
+    app = PickerApp(config, registry)
+    path = args.path
+    if path is None:
+        path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
 
-        asyncio.run(scraper.scrape_once())
-    else:
-        for endpoint in store.all():
-            store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
-    rng = random.Random(config.seed or 0)
-    ctx = BuildContext(
-        store, rng, time.monotonic, config.metrics.staleness_s, hardware=hardware_table(config)
-    )
-    director = Director(config, store, Scheduler(config, registry, ctx, None), rng, metrics)
-    headers = {":path": args.path, ":method": "POST"}
-    request = director.parse(body, headers)
-    result = director.schedule(request, None, explain=True)
+    async def explain() -> tuple[LLMRequest, SchedulingResult]:
+        if args.scrape:
+            await app.scraper.scrape_once()
+        else:
+            for endpoint in app.store.all():
+                app.store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
+        request = app.director.parse(body, {":path": path, ":method": "POST"})
+        preparing = app.director.prepare(request)
+        if preparing is not None:
+            await preparing
+        return request, app.director.schedule(request, None, explain=True)
+
+    request, result = asyncio.run(explain())
     report = {
         "request": {
             "model": request.model,
@@ -153,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
     explain.add_argument("--config", required=True, help="EndpointPickerConfig YAML")
     explain.add_argument("--request", required=True, help="JSON request body file")
-    explain.add_argument("--path", default="/v1/completions", help="request path")
+    explain.add_argument(
+        "--path",
+        default=None,
+        help="request path (default: chat completions when the body has "
+        "'messages', else completions)",
+    )
     explain.add_argument(
         "--scrape",
         action="store_true",

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Final
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import zmq
 import zmq.asyncio
 

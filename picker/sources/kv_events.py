@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor

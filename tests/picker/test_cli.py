@@ -187,3 +187,13 @@ def test_explain_with_scrape_uses_live_endpoints_only(tmp_path: Path) -> None:
         assert [row["endpoint"] for row in profile["candidates"]] == [f"127.0.0.1:{port}"]
     finally:
         sim.stop()
+
+
+def test_explain_infers_the_chat_path(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text(yaml.safe_dump({"endpoints": [{"address": "10.1.0.1:8000"}]}))
+    request = tmp_path / "chat.json"
+    request.write_text(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["request"]["kind"] == "chat"
