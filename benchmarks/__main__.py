@@ -7,6 +7,12 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "overhead": "benchmarks.overhead",
+    "kv-index": "benchmarks.kv_index_bench",
+    "precise-vs-approx": "benchmarks.precise_vs_approx",
+    "replay": "benchmarks.harness.replay",
+    "sweep": "benchmarks.harness.sweep",
+    "live": "benchmarks.harness.live",
+    "peers": "benchmarks.harness.peers",
 }
 
 
@@ -15,6 +21,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
         print("usage: kv-picker bench {" + ",".join(COMMANDS) + "} [--help]")
         print("  overhead   latency/throughput added by kv-picker vs Envoy routing directly")
+        print("  kv-index   precise KV index: event ingestion, lookup latency, memory, Redis")
+        print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")
+        print("  replay     offline trace replay: every routing policy on the cluster simulator")
+        print("  sweep      offline replay at several offered loads x policies")
+        print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
+        print("  peers      the same slice through vllm-router / sglang-router")
         return 0 if args and args[0] in ("-h", "--help") else 2
     import importlib
 

@@ -1,0 +1,552 @@
+"""Live replay: the same trace slice over HTTP, through real routers, onto simulated endpoints.
+
+Why: the offline simulator runs the service's scheduling code but not its wire path (Envoy,
+ext_proc, scraping over HTTP, response streaming), nor the peers' routers. Live mode starts
+real processes on 127.0.0.1 and sends the requests at their (time-scaled) arrival times, open
+loop, so every target sees the same schedule, the same client and the same endpoints:
+
+```
+client (open loop, arrival_s × time_scale)
+   ├──> Envoy ──ext_proc──> kv-picker (one run per policy, restarted in between)   live
+   ├──> vllm-router --policy P                                                     peers
+   └──> sglang-router launch --policy P                                            peers
+            └──> simulated vLLM endpoints (started once; prefix caches reset between runs)
+```
+
+Prompts are the trace's synthesized text (one word per token for the simulated tokenizer), so
+the endpoints see exactly ``input_tokens`` tokens with the trace's block structure. Latencies
+are measured in wall time and divided by the time scale to give model seconds, comparable with
+offline runs; fixed per-request costs (HTTP, the router, tokenizing on the endpoint) are
+multiplied by ``1 / time_scale`` on the way, so small time scales inflate them. Hit ratios and
+the request split come from the endpoints' own counters (``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``, ``vllm:request_success``).
+
+Client connections: by default each request opens a fresh connection. sglang-router 0.3.2
+stalls about 40 ms on every streamed response over a reused keep-alive connection (reference
+peers.md §1.8); a fresh connection avoids that artefact for every target alike.
+``--keep-alive`` reuses connections instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks.client import Outcome, send
+from benchmarks.harness.policies import Policy
+from benchmarks.harness.report import (
+    PolicyMetrics,
+    cluster_json,
+    describe_cluster,
+    hit_ratio_bounds,
+    latency_stats,
+    markdown_table,
+    plot_bars,
+    plot_cdfs,
+    write_json,
+)
+from benchmarks.harness.traces import Trace, prompt_text
+from benchmarks.workloads import WorkloadRequest
+from picker.localstack import LocalStack, ManagedProcess, SimSpec, free_port, http_get
+from picker.scheduling.registry import builtin_registry
+
+PEER_ROUTERS = ("vllm-router", "sglang-router")
+DEFAULT_PEERS = (
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "sglang-router:round_robin",
+    "sglang-router:cache_aware",
+)
+# Explicit, as peers.md §1.9 advises: the defaults differ between versions.
+PEER_CACHE_FLAGS = (
+    "--cache-threshold",
+    "0.3",
+    "--balance-abs-threshold",
+    "64",
+    "--balance-rel-threshold",
+    "1.5",
+)
+_BIN_ENV = {"vllm-router": "VLLM_ROUTER_BIN", "sglang-router": "SGLANG_ROUTER_BIN"}
+
+
+def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    group = parser.add_argument_group("live replay")
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.05,
+        help="wall seconds per model second, for the endpoints and the arrival schedule",
+    )
+    group.add_argument(
+        "--timeout", type=float, default=300.0, help="per-request timeout in wall seconds"
+    )
+    group.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="reuse client connections (default: one fresh connection per request)",
+    )
+    if command == "live":
+        group.add_argument(
+            "--body-mode",
+            choices=("FULL_DUPLEX_STREAMED", "BUFFERED"),
+            default="FULL_DUPLEX_STREAMED",
+            help="Envoy's ext_proc request body mode",
+        )
+    group.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="ROUTER:POLICY",
+        help="a peer router run on the same endpoints, e.g. vllm-router:cache_aware, "
+        "sglang-router:round_robin; repeatable"
+        + (f" (default: {' '.join(DEFAULT_PEERS)})" if command == "peers" else ""),
+    )
+    group.add_argument(
+        "--vllm-router-bin",
+        default=None,
+        help="vllm-router executable (default: $VLLM_ROUTER_BIN or PATH)",
+    )
+    group.add_argument(
+        "--sglang-router-bin",
+        default=None,
+        help="sglang-router executable (default: $SGLANG_ROUTER_BIN or PATH)",
+    )
+
+
+def router_binary(router: str, explicit: str | None = None) -> str | None:
+    """The executable of a peer router: the flag, the environment variable, or PATH."""
+    candidate = explicit or os.environ.get(_BIN_ENV[router]) or shutil.which(router)
+    if candidate and (os.access(candidate, os.X_OK) or shutil.which(candidate)):
+        return candidate
+    return None
+
+
+def parse_peer(item: str) -> tuple[str, str]:
+    from benchmarks.harness.cli import UsageError
+
+    router, sep, policy = item.partition(":")
+    if router not in PEER_ROUTERS or not sep or not policy:
+        raise UsageError(
+            f"--peer {item!r}: expected ROUTER:POLICY with ROUTER one of {', '.join(PEER_ROUTERS)}"
+        )
+    return router, policy
+
+
+# ------------------------------------------------------------------------------ client
+
+
+def trace_requests(trace: Trace, model: str) -> list[tuple[float, WorkloadRequest]]:
+    """(arrival_s, request) pairs: streamed completions with the trace's text and lengths."""
+    requests = []
+    for request in trace.requests:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_text(request, trace.block_tokens),
+            "max_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"x-session-id": request.session} if request.session else {}
+        requests.append(
+            (request.arrival_s, WorkloadRequest("/v1/completions", body, headers=headers))
+        )
+    return requests
+
+
+async def replay_open_loop(
+    base_url: str,
+    requests: Sequence[tuple[float, WorkloadRequest]],
+    time_scale: float,
+    timeout_s: float,
+    keep_alive: bool,
+) -> tuple[list[Outcome], list[float]]:
+    """Send each request at ``arrival_s × time_scale`` wall seconds after the start.
+
+    Returns the outcomes in request order and each request's actual send offset (wall s).
+    """
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keep_alive)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    sent_s = [0.0] * len(requests)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(index: int, arrival_s: float, request: WorkloadRequest) -> Outcome:
+            delay = start + arrival_s * time_scale - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent_s[index] = loop.time() - start
+            return await send(session, base_url, request)
+
+        outcomes = await asyncio.gather(
+            *(one(i, arrival_s, request) for i, (arrival_s, request) in enumerate(requests))
+        )
+    return list(outcomes), sent_s
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+@dataclass(slots=True)
+class LiveRun:
+    """One target's replay: its metrics and raw latencies (model seconds)."""
+
+    metrics: PolicyMetrics
+    ttft_s: list[float]
+    e2e_s: list[float]
+
+
+def _counters(stack: LocalStack) -> list[dict[str, float]]:
+    metrics = stack.sim_metrics()
+    return [metrics[address] for address in stack.sim_addresses]
+
+
+def _reset_caches(stack: LocalStack) -> None:
+    for address in stack.sim_addresses:
+        request = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+
+def summarize_live(
+    name: str,
+    outcomes: Sequence[Outcome],
+    before: Sequence[dict[str, float]],
+    after: Sequence[dict[str, float]],
+    time_scale: float,
+    wall_s: float,
+) -> LiveRun:
+    """Metrics of one live target, in model seconds (wall / time scale)."""
+    ok = [o for o in outcomes if o.ok]
+
+    def delta(key: str) -> list[float]:
+        return [a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(after, before, strict=True)]
+
+    queries = sum(delta("vllm:prefix_cache_queries_total"))
+    hits = sum(delta("vllm:prefix_cache_hits_total"))
+    served = delta("vllm:request_success_total")
+    ttft = [o.ttft_s / time_scale for o in ok]
+    e2e = [o.latency_s / time_scale for o in ok]
+    tpot = [
+        (o.latency_s - o.ttft_s) / time_scale / (o.completion_tokens - 1)
+        for o in ok
+        if o.completion_tokens > 1
+    ]
+    output_tokens = sum(o.completion_tokens for o in ok)
+    makespan_s = wall_s / time_scale
+    mean_served = sum(served) / len(served) if served else 0.0
+    errors = [o for o in outcomes if not o.ok]
+    metrics = PolicyMetrics(
+        policy=name,
+        requests=len(outcomes),
+        ok=len(ok),
+        rejected=sum(1 for o in errors if 400 <= o.status < 500 and o.status != 429),
+        shed=sum(1 for o in errors if o.status == 429),
+        errors=sum(1 for o in errors if not (400 <= o.status < 500)),
+        ttft_s=latency_stats(ttft),
+        tpot_s=latency_stats(tpot),
+        e2e_s=latency_stats(e2e),
+        output_tokens_per_s=output_tokens / makespan_s if makespan_s > 0 else 0.0,
+        requests_per_s=len(ok) / makespan_s if makespan_s > 0 else 0.0,
+        hit_ratio=hits / queries if queries else 0.0,
+        imbalance=max(served) / mean_served if mean_served > 0 else math.nan,
+        imbalance_busy=math.nan,
+        transferred_tokens=0,
+        transferred_bytes=0.0,
+        makespan_s=makespan_s,
+        wall_s=wall_s,
+        extra={
+            "served_per_endpoint": served,
+            "errors_sample": sorted({f"{o.status} {o.error[:120]}" for o in errors})[:5],
+        },
+    )
+    return LiveRun(metrics, ttft, e2e)
+
+
+def _replay_target(
+    stack: LocalStack, name: str, base_url: str, trace: Trace, args: argparse.Namespace
+) -> LiveRun:
+    _reset_caches(stack)
+    before = _counters(stack)
+    requests = trace_requests(trace, stack.model)
+    started = time.perf_counter()
+    outcomes, sent_s = asyncio.run(
+        replay_open_loop(base_url, requests, args.time_scale, args.timeout, args.keep_alive)
+    )
+    wall_s = time.perf_counter() - started
+    after = _counters(stack)  # an endpoint counts a request before its last chunk leaves
+    scheduled = [arrival_s * args.time_scale for arrival_s, _ in requests]
+    run = summarize_live(name, outcomes, before, after, args.time_scale, wall_s)
+    # How late the client sent requests (a loaded client distorts the schedule).
+    lag = [max(0.0, s - a) for s, a in zip(sent_s, scheduled, strict=True)]
+    run.metrics.extra["send_lag_p99_ms"] = 1000 * latency_stats(lag)["p99"]
+    return run
+
+
+def live_picker_config(
+    policy: Policy, scrape_interval_s: float, time_scale: float
+) -> dict[str, Any]:
+    """The policy's config for the service, validated against the service's own registry.
+
+    The scrape interval is scaled to wall time (at least 50 ms, so that scraping N endpoints
+    over HTTP stays cheap) unless the policy sets its own ``metrics`` section.
+    """
+    from benchmarks.harness.cli import UsageError
+
+    document = dict(policy.document)
+    try:
+        policy.config(builtin_registry())
+    except Exception as exc:
+        raise UsageError(
+            f"policy {policy.name}: live mode runs the service's plugins only ({exc})"
+        ) from None
+    if "metrics" not in document:
+        wall_s = max(0.05, scrape_interval_s * time_scale)
+        document["metrics"] = {"scrapeInterval": f"{wall_s * 1000:.0f}ms"}
+    return document
+
+
+def start_peer(
+    router: str, policy: str, binary: str, urls: Sequence[str], workdir: Path
+) -> tuple[ManagedProcess, str]:
+    """Start a peer router on 127.0.0.1 and wait until it reports every worker healthy."""
+    port = free_port()
+    metrics_port = free_port()
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *urls,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-startup-check-interval",
+        "1",
+        "--health-check-interval-secs",
+        "5",
+        *PEER_CACHE_FLAGS,
+    ]
+    argv = [binary, "launch", *common] if router == "sglang-router" else [binary, *common]
+    log = workdir / f"{router}-{policy}.log"
+    process = ManagedProcess(f"{router}:{policy}", argv, log)
+    base_url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        status, body = http_get(base_url + "/readiness", timeout_s=1.0)
+        if status == 404:
+            return http_get(base_url + "/health", timeout_s=1.0)[0] == 200
+        if status != 200:
+            return False
+        document = json.loads(body or b"{}")
+        return int(document.get("healthy_workers", 0)) >= len(urls)
+
+    try:
+        process.wait_until(ready, 60.0, f"{len(urls)} healthy workers")
+    except BaseException:
+        process.stop()
+        raise
+    return process, base_url
+
+
+# -------------------------------------------------------------------------------- run
+
+
+def run_live(argv: Sequence[str], command: str) -> int:
+    from benchmarks.harness.cli import (
+        EXIT_FAILURE,
+        EXIT_OK,
+        UsageError,
+        build_parser,
+        cluster_from_args,
+        policies_from_args,
+        record_command,
+        results_dir,
+        trace_from_args,
+    )
+
+    parser = build_parser(command)
+    args = parser.parse_args(list(argv))
+    if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        raise UsageError("--time-scale must be a positive number")
+    started = time.perf_counter()
+    trace = trace_from_args(args, load=args.load)
+    config = cluster_from_args(args)
+    if args.pd or any(e.role != "both" for e in config.endpoints):
+        raise UsageError(
+            f"{command} mode: the simulated endpoints do not model P/D transfers; "
+            "use role 'both' (offline replay covers P/D)"
+        )
+    policies: list[Policy] = []
+    if command == "live":
+        if not args.policy:
+            args.policy = ["kv-picker"]
+        policies = policies_from_args(args)
+    documents = [live_picker_config(p, config.scrape_interval_s, args.time_scale) for p in policies]
+    peer_items = args.peer or (list(DEFAULT_PEERS) if command == "peers" else [])
+    peers = [parse_peer(item) for item in peer_items]
+    binaries: dict[str, str] = {}
+    missing = []
+    for router, _ in peers:
+        explicit = args.vllm_router_bin if router == "vllm-router" else args.sglang_router_bin
+        found = router_binary(router, explicit)
+        if found is None:
+            missing.append(router)
+        else:
+            binaries[router] = found
+    if missing:
+        raise UsageError(
+            f"peer router(s) not found: {', '.join(sorted(set(missing)))}; install them "
+            "(pip install vllm-router sglang-router, in a separate venv) and pass "
+            "--vllm-router-bin / --sglang-router-bin or set VLLM_ROUTER_BIN / SGLANG_ROUTER_BIN"
+        )
+    if not policies and not peers:
+        raise UsageError("nothing to run: give --policy and/or --peer")
+
+    sims = []
+    for i, setup in enumerate(config.endpoints):
+        extra = ("--num-gpu-blocks", str(config.capacity_blocks(i)))
+        sims.append(SimSpec(role=setup.role, hardware_class=setup.hardware, extra_args=extra))
+    sim_args = (
+        "--block-size",
+        str(config.block_size),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(config.max_num_batched_tokens),
+        "--max-model-len",
+        str(config.max_model_len),
+    )
+    folder = results_dir(args, command, trace.name)
+    text = record_command(folder, command, argv)
+    body_mode = getattr(args, "body_mode", "FULL_DUPLEX_STREAMED")
+    runs: list[LiveRun] = []
+    stack = LocalStack(
+        sims=sims,
+        picker_config=documents[0] if documents else {},
+        body_mode=body_mode,
+        model=config.model,
+        time_scale=args.time_scale,
+        sim_args=sim_args,
+    )
+    try:
+        if documents:
+            stack.start()
+        else:
+            stack.start_sims()
+        if not args.quiet:
+            print(
+                f"{command}: {len(trace.requests)} requests over {len(sims)} endpoints "
+                f"(time scale {args.time_scale:g}) -> {folder}",
+                file=sys.stderr,
+            )
+        for policy, document in zip(policies, documents, strict=True):
+            stack.start_picker(document)
+            runs.append(_replay_target(stack, policy.name, stack.url, trace, args))
+            _progress(args, runs[-1])
+        urls = [f"http://{address}" for address in stack.sim_addresses]
+        for router, policy_name in peers:
+            process, base_url = start_peer(
+                router, policy_name, binaries[router], urls, stack.workdir
+            )
+            try:
+                name = f"{router}:{policy_name}"
+                runs.append(_replay_target(stack, name, base_url, trace, args))
+                _progress(args, runs[-1])
+            finally:
+                process.stop()
+    finally:
+        stack.close()
+    wall_s = time.perf_counter() - started
+    bounds = hit_ratio_bounds(trace, config)
+    rows = [run.metrics for run in runs]
+    summary = trace.summary()
+    lines = [
+        f"# {args.title or f'{command.capitalize()} replay: ' + trace.name}",
+        "",
+        f"Command: `{text}`",
+        "",
+        f"Trace: {summary['name']}, {summary['requests']:,} requests at "
+        f"{summary['rate_per_s'] or 0:.2f} requests/s (model time); time scale "
+        f"{args.time_scale:g}; {'keep-alive' if args.keep_alive else 'fresh'} client "
+        "connections.",
+        "",
+        f"Cluster: {describe_cluster(config)} (simulated endpoints over HTTP on 127.0.0.1).",
+        "",
+        markdown_table(rows, bounds),
+        "",
+        f"Wall time of the whole run: {wall_s:.1f} s.",
+    ]
+    report = "\n".join(lines) + "\n"
+    (folder / "results.md").write_text(report, encoding="utf-8")
+    write_json(
+        folder / "results.json",
+        {
+            "command": text,
+            "mode": command,
+            "time_scale": args.time_scale,
+            "trace": summary,
+            "cluster": cluster_json(config),
+            "bounds": bounds,
+            "wall_s": wall_s,
+            "policies": {m.policy: m.to_json() for m in rows},
+        },
+    )
+    if not args.no_plots and runs:
+        plot_cdfs(
+            {r.metrics.policy: r.ttft_s for r in runs},
+            folder / "ttft_cdf.png",
+            f"TTFT ({command}), {trace.name}",
+            "time to first token (model s)",
+        )
+        plot_cdfs(
+            {r.metrics.policy: r.e2e_s for r in runs},
+            folder / "e2e_cdf.png",
+            f"End-to-end latency ({command}), {trace.name}",
+            "end-to-end latency (model s)",
+        )
+        plot_bars(rows, bounds, folder / "hit_imbalance.png")
+    print(report)
+    print(f"results: {folder}")
+    failed = [m.policy for m in rows if m.ok == 0]
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _progress(args: argparse.Namespace, run: LiveRun) -> None:
+    if args.quiet:
+        return
+    m = run.metrics
+    print(
+        f"  {m.policy}: {m.ok}/{m.requests} ok, TTFT p50 {m.ttft_s['p50']:.3f} s, "
+        f"hit ratio {m.hit_ratio:.3f}, {m.wall_s:.1f} s wall",
+        file=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kv-picker bench live``."""
+    from benchmarks.harness.cli import run_command
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    with contextlib.suppress(BrokenPipeError):
+        return run_command("live", args, lambda: run_live(args, "live"))
+    return 1

@@ -1,0 +1,12 @@
+"""``kv-picker bench replay``: offline trace replay of every policy (see :mod:`.cli`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from benchmarks.harness.cli import replay_main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return replay_main(list(sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,367 @@
+"""Results: per-policy metrics, the trace's hit-ratio bounds, Markdown, JSON and PNG plots.
+
+Why the bounds: a token hit ratio means little alone. Two figures computed from the trace
+put it in context, both with the engines' own rules (block keys of ``block_size`` tokens, the
+last prompt token always recomputed):
+
+- *unbounded*: one cache that never forgets and sees every request (all reuse in the trace);
+- *pooled LRU*: one LRU cache as large as the whole cluster's KV capacity. A router spreads the
+  same memory over separate endpoints and cannot share blocks between them, so this is the
+  practical ceiling for any router (LRU is not an optimal policy, so a lucky split could in
+  principle edge past it; a policy above it would deserve a look).
+
+Latencies are model seconds (offline) or converted from wall time (live, divided by the time
+scale). Percentiles are nearest-rank: the ``ceil(p * n)``-th smallest value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.simulator import (
+    ERROR,
+    OK,
+    REJECTED,
+    SHED,
+    ClusterConfig,
+    SimulationResult,
+    block_keys,
+    output_block_keys,
+)
+from benchmarks.harness.traces import Trace
+
+QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+
+
+def latency_stats(values: Iterable[float]) -> dict[str, float]:
+    """Mean and nearest-rank p50/p90/p99 of the finite values (nan when there are none)."""
+    ordered = sorted(v for v in values if not math.isnan(v))
+    stats: dict[str, float] = {"mean": sum(ordered) / len(ordered) if ordered else math.nan}
+    for name, fraction in QUANTILES:
+        if not ordered:
+            stats[name] = math.nan
+            continue
+        rank = max(0, min(len(ordered) - 1, math.ceil(fraction * len(ordered) - 1e-9) - 1))
+        stats[name] = ordered[rank]
+    return stats
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def hit_ratio_bounds(trace: Trace, config: ClusterConfig) -> dict[str, float]:
+    """Token hit ratios of an unbounded single cache and of a pooled LRU of the cluster's size.
+
+    Requests are taken in arrival order; each request's full prompt blocks, and the blocks its
+    decode fills when the cluster caches them, are inserted after its lookup (as most recently
+    used).
+    """
+    block_size = config.block_size
+    capacity = config.total_capacity_blocks
+    seen: set[int] = set()
+    lru: OrderedDict[int, None] = OrderedDict()
+    prompt_tokens = unbounded_hits = pooled_hits = 0
+    for request in trace.requests:
+        keys = block_keys(request, trace.block_tokens, block_size)
+        max_hit_blocks = (request.input_tokens - 1) // block_size
+        prompt_tokens += request.input_tokens
+        run = 0
+        for key in keys:
+            if key not in seen:
+                break
+            run += 1
+        unbounded_hits += min(run, max_hit_blocks) * block_size
+        seen.update(keys)
+        run = 0
+        for key in keys:
+            if key not in lru:
+                break
+            run += 1
+        pooled_hits += min(run, max_hit_blocks) * block_size
+        if config.cache_output_blocks:
+            filled = output_block_keys(request, trace.block_tokens, block_size)
+            if filled:
+                keys = keys + filled
+                seen.update(filled)
+        pop = lru.pop
+        for key in keys:
+            pop(key, None)
+            lru[key] = None
+        overflow = len(lru) - capacity
+        for _ in range(max(0, overflow)):
+            lru.popitem(last=False)
+    return {
+        "unbounded": unbounded_hits / prompt_tokens if prompt_tokens else 0.0,
+        "pooled_lru": pooled_hits / prompt_tokens if prompt_tokens else 0.0,
+        "pooled_capacity_tokens": capacity * block_size,
+    }
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+@dataclass(slots=True)
+class PolicyMetrics:
+    """The figures of one policy's run (also the row of the Markdown table)."""
+
+    policy: str
+    requests: int
+    ok: int
+    rejected: int
+    shed: int
+    errors: int
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+    e2e_s: dict[str, float]
+    output_tokens_per_s: float
+    requests_per_s: float
+    hit_ratio: float
+    imbalance: float
+    imbalance_busy: float
+    transferred_tokens: int
+    transferred_bytes: float
+    makespan_s: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def _max_over_mean(values: Sequence[float]) -> float:
+    if not values:
+        return math.nan
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else math.nan
+
+
+def summarize(result: SimulationResult, config: ClusterConfig) -> PolicyMetrics:
+    """Per-policy metrics of an offline run."""
+    outcomes = result.outcomes
+    ok = [o for o in outcomes if o.status == OK]
+    serving = [i for i, e in enumerate(config.endpoints) if e.role != "prefill"]
+    prompt_tokens = sum(o.prompt_tokens for o in ok)
+    output_tokens = sum(o.output_tokens for o in ok)
+    transferred = sum(o.transferred_tokens for o in ok)
+    makespan_s = result.makespan_s
+    return PolicyMetrics(
+        policy=result.policy,
+        requests=len(outcomes),
+        ok=len(ok),
+        rejected=sum(o.status == REJECTED for o in outcomes),
+        shed=sum(o.status == SHED for o in outcomes),
+        errors=sum(o.status == ERROR for o in outcomes),
+        ttft_s=latency_stats(o.ttft_s for o in ok),
+        tpot_s=latency_stats(o.tpot_s for o in ok),
+        e2e_s=latency_stats(o.e2e_s for o in ok),
+        output_tokens_per_s=output_tokens / makespan_s if makespan_s > 0 else 0.0,
+        requests_per_s=len(ok) / makespan_s if makespan_s > 0 else 0.0,
+        hit_ratio=sum(o.cached_tokens for o in ok) / prompt_tokens if prompt_tokens else 0.0,
+        imbalance=_max_over_mean([result.endpoints[i].requests for i in serving]),
+        imbalance_busy=_max_over_mean([e.busy_s for e in result.endpoints]),
+        transferred_tokens=transferred,
+        transferred_bytes=float(transferred * config.kv_bytes_per_token),
+        makespan_s=makespan_s,
+        wall_s=result.wall_s,
+        extra={
+            "events": result.num_events,
+            "schedule_calls": result.num_schedule_calls,
+            "errors_sample": sorted({o.detail for o in outcomes if o.status != OK})[:5],
+            **result.extra,
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def format_tokens(count: float) -> str:
+    """``8.4M``, ``524k``, ``960``: token counts at a glance."""
+    if count >= 1e6:
+        return f"{count / 1e6:.1f}M"
+    if count >= 1e3:
+        return f"{count / 1e3:.0f}k"
+    return f"{count:.0f}"
+
+
+def _fmt(value: float, scale: float = 1.0, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value * scale:.{digits}f}"
+
+
+def _quad(stats: Mapping[str, float], scale: float = 1.0, digits: int = 2) -> str:
+    return " / ".join(_fmt(stats[k], scale, digits) for k in ("mean", "p50", "p90", "p99"))
+
+
+def markdown_table(rows: Sequence[PolicyMetrics], bounds: Mapping[str, float] | None) -> str:
+    """One row per policy; latency cells are mean / p50 / p90 / p99."""
+    lines = [
+        "| policy | ok | errors | shed | TTFT s (mean / p50 / p90 / p99) "
+        "| TPOT ms (mean / p50 / p90 / p99) | E2E s (mean / p50 / p90 / p99) "
+        "| output tok/s | token hit ratio | imbalance (max/mean) | P/D transfer GB |",
+        "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.policy} | {row.ok} | {row.errors + row.rejected} | {row.shed} "
+            f"| {_quad(row.ttft_s)} | {_quad(row.tpot_s, 1000.0, 1)} | {_quad(row.e2e_s)} "
+            f"| {row.output_tokens_per_s:,.0f} | {row.hit_ratio:.3f} | {_fmt(row.imbalance)} "
+            f"| {row.transferred_bytes / 1e9:.1f} |"
+        )
+    if bounds:
+        lines.append(
+            f"| *bound: unbounded single cache* | | | | | | | | {bounds['unbounded']:.3f} | | |"
+        )
+        lines.append(
+            f"| *bound: pooled LRU ({format_tokens(bounds['pooled_capacity_tokens'])} tokens)* "
+            f"| | | | | | | | {bounds['pooled_lru']:.3f} | | |"
+        )
+    return "\n".join(lines)
+
+
+def describe_cluster(config: ClusterConfig) -> str:
+    counts: dict[tuple[str, str, int], int] = {}
+    for i, setup in enumerate(config.endpoints):
+        key = (setup.role, setup.hardware, config.capacity_blocks(i))
+        counts[key] = counts.get(key, 0) + 1
+    parts = [
+        f"{n} × {hw} {role} ({format_tokens(blocks * config.block_size)} tokens KV)"
+        for (role, hw, blocks), n in counts.items()
+    ]
+    return (
+        ", ".join(parts) + f"; block {config.block_size} tokens, max_num_seqs "
+        f"{config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
+        f"scrape every {config.scrape_interval_s * 1000:g} ms"
+    )
+
+
+def cluster_json(config: ClusterConfig) -> dict[str, Any]:
+    return {
+        "endpoints": [
+            {"role": e.role, "hardware": e.hardware, "num_gpu_blocks": config.capacity_blocks(i)}
+            for i, e in enumerate(config.endpoints)
+        ],
+        "block_size": config.block_size,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_model_len": config.max_model_len,
+        "timing": {
+            "prefill_tokens_per_s": config.timing.prefill_tokens_per_s,
+            "step_base_s": config.timing.step_base_s,
+            "step_per_seq_s": config.timing.step_per_seq_s,
+        },
+        "scrape_interval_s": config.scrape_interval_s,
+        "kv_event_delay_s": config.kv_event_delay_s,
+        "transfer_latency_s": config.transfer_latency_s,
+        "transfer_bytes_per_s": config.transfer_bytes_per_s,
+        "kv_bytes_per_token": config.kv_bytes_per_token,
+    }
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else round(value, 6)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, document: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(_clean(dict(document)), indent=2) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdfs(
+    latencies: Mapping[str, Sequence[float]], path: Path, title: str, xlabel: str
+) -> None:
+    """Empirical CDF per policy on a log x axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, values in latencies.items():
+        ordered = sorted(v for v in values if not math.isnan(v) and v > 0)
+        if not ordered:
+            continue
+        count = len(ordered)
+        ax.plot(ordered, [(i + 1) / count for i in range(count)], label=name, linewidth=1.4)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_bars(
+    rows: Sequence[PolicyMetrics], bounds: Mapping[str, float] | None, path: Path
+) -> None:
+    """Token hit ratio (with the trace's bounds) and load imbalance per policy."""
+    plt = _pyplot()
+    names = [r.policy for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    left.bar(names, [r.hit_ratio for r in rows], color="tab:blue")
+    if bounds:
+        left.axhline(bounds["unbounded"], color="tab:red", linestyle="--", label="unbounded cache")
+        left.axhline(bounds["pooled_lru"], color="tab:orange", linestyle=":", label="pooled LRU")
+        left.legend(fontsize=8)
+    left.set_ylabel("token hit ratio")
+    left.set_title("prefix-cache token hit ratio")
+    right.bar(names, [r.imbalance for r in rows], color="tab:green")
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_ylabel("max / mean requests per endpoint")
+    right.set_title("load imbalance")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=35, labelsize=8)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_load_curve(
+    by_load: Mapping[float, Sequence[PolicyMetrics]], path: Path, rates: Mapping[float, float]
+) -> None:
+    """TTFT (mean and p90) against offered load, one line per policy."""
+    plt = _pyplot()
+    loads = sorted(by_load)
+    names = [r.policy for r in by_load[loads[0]]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    xs = [rates.get(load, load) for load in loads]
+    for name in names:
+        rows = [next(r for r in by_load[load] if r.policy == name) for load in loads]
+        left.plot(xs, [r.ttft_s["mean"] for r in rows], marker="o", label=name)
+        right.plot(xs, [r.ttft_s["p90"] for r in rows], marker="o", label=name)
+    for ax, what in ((left, "mean"), (right, "p90")):
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(f"TTFT {what} (s)")
+        ax.grid(True, which="both", alpha=0.3)
+    left.set_title("TTFT vs offered load (mean)")
+    right.set_title("TTFT vs offered load (p90)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

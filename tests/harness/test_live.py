@@ -1,0 +1,92 @@
+"""Tiny live and peer replays: real processes on 127.0.0.1, a few dozen requests, seconds.
+
+Peer routers install from the package index into their own virtual environments (reference
+peers.md §1.1); these tests find them through ``$VLLM_ROUTER_BIN`` / ``$SGLANG_ROUTER_BIN`` or
+PATH and are skipped, saying so, when they are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness.live import main as live_main
+from benchmarks.harness.live import router_binary
+from benchmarks.harness.peers import main as peers_main
+from picker.localstack import envoy_binary
+
+TINY = "shared-prefix:groups=3,users=2,context=300,question=40,output=12,requests=24,rate=20"
+COMMON = ["--trace", TINY, "--endpoints", "2", "--num-gpu-blocks", "400", "--quiet"]
+
+
+def _children() -> set[int]:
+    found = subprocess.run(
+        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True, check=False
+    )
+    return {int(pid) for pid in found.stdout.split()}
+
+
+def _have_envoy() -> bool:
+    try:
+        envoy_binary()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_envoy(), reason="no Envoy binary (the dev extra ships one)")
+def test_live_replay_through_envoy_and_kv_picker(tmp_path: Path) -> None:
+    before = _children()
+    out = tmp_path / "live"
+    argv = [*COMMON, "--policy", "kv-picker", "--policy", "random", "--out", str(out)]
+    assert live_main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["mode"] == "live"
+    for name in ("kv-picker", "random"):
+        metrics = document["policies"][name]
+        assert metrics["ok"] == 24 and metrics["errors"] == 0
+        assert metrics["ttft_s"]["p50"] > 0
+        assert sum(metrics["extra"]["served_per_endpoint"]) == 24
+        assert 0 < metrics["hit_ratio"] <= document["bounds"]["unbounded"] + 1e-9
+    assert (out / "results.md").read_text().count("| kv-picker | 24 |") == 1
+    assert _children() <= before  # every process stopped
+
+
+def test_live_rejects_harness_only_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*COMMON, "--policy", "round-robin", "--out", str(tmp_path / "x")]
+    assert live_main(argv) == 2
+    assert "live mode runs the service's plugins only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("router", "policy"), [("vllm-router", "round_robin"), ("sglang-router", "cache_aware")]
+)
+def test_peer_replay(router: str, policy: str, tmp_path: Path) -> None:
+    if router_binary(router) is None:
+        pytest.skip(
+            f"{router} not installed: pip install {router} into its own venv and set "
+            f"{'VLLM' if router == 'vllm-router' else 'SGLANG'}_ROUTER_BIN"
+        )
+    before = _children()
+    out = tmp_path / "peers"
+    assert peers_main([*COMMON, "--peer", f"{router}:{policy}", "--out", str(out)]) == 0
+    metrics = json.loads((out / "results.json").read_text())["policies"][f"{router}:{policy}"]
+    assert metrics["ok"] == 24 and metrics["errors"] == 0
+    assert sum(metrics["extra"]["served_per_endpoint"]) == 24
+    assert _children() <= before
+
+
+def test_peers_without_the_routers_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("VLLM_ROUTER_BIN", raising=False)
+    argv = [*COMMON, "--peer", "vllm-router:round_robin", "--out", str(tmp_path / "x")]
+    assert peers_main(argv) == 2
+    assert "peer router(s) not found: vllm-router" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""The baselines' rules, checked on hand-made states, and policy resolution."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness.policies import (
+    BASELINES,
+    DynamoCostParams,
+    DynamoCostPicker,
+    Policy,
+    RoundRobinParams,
+    RoundRobinPicker,
+    SGLangCacheAwareParams,
+    SGLangCacheAwarePicker,
+    harness_registry,
+    pd_variant,
+    resolve_policies,
+    resolve_policy,
+)
+from benchmarks.harness.simulator import BLOCK_KEYS_STATE
+from picker.errors import ConfigError
+from picker.scheduling.signals import PROMPT_TOKENS
+from picker.scheduling.types import BuildContext, LLMRequest, ProfileResult, SchedulingResult
+from picker.state.endpoints import EndpointSpec, EndpointStore
+
+
+def store_with(count: int) -> EndpointStore:
+    store = EndpointStore(lambda: 0.0)
+    store.set_endpoints(EndpointSpec(f"10.0.0.{i + 1}:8000") for i in range(count))
+    for endpoint in store.all():
+        store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
+    return store
+
+
+def request(prompt: str = "", request_id: str = "r", **state: object) -> LLMRequest:
+    return LLMRequest(
+        request_id=request_id,
+        model="m",
+        target_model="m",
+        path="/v1/completions",
+        kind="completions",
+        prompt=prompt,
+        state=dict(state),
+    )
+
+
+def picked(endpoint) -> SchedulingResult:  # type: ignore[no-untyped-def]
+    return SchedulingResult("default", {"default": ProfileResult([endpoint], [endpoint], [0.0])})
+
+
+def test_round_robin_rotates() -> None:
+    store = store_with(3)
+    picker = RoundRobinPicker(
+        "rr", RoundRobinParams(), BuildContext(store, random.Random(), store.now, 2.0)
+    )
+    candidates = store.all()
+    picks = [picker.pick(request(), candidates, [0.0] * 3)[0].id for _ in range(7)]
+    assert picks == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_sglang_cache_aware_rules() -> None:
+    store = store_with(3)
+    ctx = BuildContext(store, random.Random(), store.now, 2.0)
+    picker = SGLangCacheAwarePicker("s", SGLangCacheAwareParams(blockSizeChars=8), ctx)
+    candidates = store.all()
+    shared = "system prompt shared by all " * 4  # 112 characters
+    first = request(shared + "question one")
+    # Nothing recorded, all loads equal: the first least-loaded endpoint (sgl-router's tie rule).
+    assert picker.pick(first, candidates, [])[0].id == 0
+    picker.on_pick(first, picked(candidates[0]))
+    store.in_flight[0] = 5
+    # Long shared prefix (match rate > 0.3): stays with endpoint 0 despite its load.
+    second = request(shared + "question two")
+    assert picker.pick(second, candidates, [])[0].id == 0
+    # Short match (below the threshold): least loaded instead, first on ties.
+    third = request(shared[:16] + "x" * 200)
+    assert picker.pick(third, candidates, [])[0].id == 1
+    # Imbalance: max - min > 64 and max > 1.5 * min -> least loaded, cache ignored.
+    store.in_flight[:] = [100, 20, 30]
+    assert picker.pick(request(shared + "question three"), candidates, [])[0].id == 1
+    store.in_flight[:] = [100, 80, 90]  # abs gap 20 < 64: balanced, cache wins
+    assert picker.pick(request(shared + "question four"), candidates, [])[0].id == 0
+
+
+def test_dynamo_cost_function_matches_the_documented_example() -> None:
+    # Dynamo's docs: weight 1.0, workers (prefill 8, decode 10) = 18, (5, 5) = 10 <- chosen,
+    # (2, 9) = 11. Reproduce those block counts with overlaps and in-flight requests.
+    store = store_with(3)
+    ctx = BuildContext(store, random.Random(0), store.now, 2.0)
+    picker = DynamoCostPicker("d", DynamoCostParams(blockSize=16), ctx)
+    assert picker.events is not None
+    keys = list(range(10))
+    picker.on_blocks_stored(0, keys[:2])  # overlap 2 -> 8 blocks to prefill
+    picker.on_blocks_stored(1, keys[:5])  # overlap 5 -> 5
+    picker.on_blocks_stored(2, keys[:8])  # overlap 8 -> 2
+    picker._active_blocks.update({0: 0, 1: -5, 2: -1})  # decode = active + 10 request blocks
+    req = request(**{BLOCK_KEYS_STATE: keys, PROMPT_TOKENS: 160})
+    assert picker.pick(req, store.all(), [])[0].id == 1
+    # Routing bookkeeping: pending prefill and active blocks follow the request.
+    picker._active_blocks.clear()
+    picker.on_pick(req, picked(store.all()[1]))
+    assert picker._prefill_tokens[1] == 80 and picker._active_blocks[1] == 10
+    picker.on_first_token(req, 1)
+    assert picker._prefill_tokens[1] == 0
+    picker.on_finished(req, 1)
+    assert picker._active_blocks[1] == 0
+    picker.on_blocks_removed(1, keys[:5])
+    assert all(not holders & 0b10 for holders in picker.events.holders.values())
+
+
+def test_dynamo_temperature_samples_cheaper_endpoints_more_often() -> None:
+    store = store_with(2)
+    ctx = BuildContext(store, random.Random(1), store.now, 2.0)
+    picker = DynamoCostPicker("d", DynamoCostParams(temperature=0.5), ctx)
+    picker.on_blocks_stored(0, list(range(8)))
+    counts = [0, 0]
+    for _ in range(400):
+        req = request(**{BLOCK_KEYS_STATE: list(range(10)), PROMPT_TOKENS: 160})
+        counts[picker.pick(req, store.all(), [])[0].id] += 1
+    assert counts[0] > counts[1] > 0
+
+
+def test_policy_resolution(tmp_path: Path) -> None:
+    registry = harness_registry()
+    for name in BASELINES:
+        resolve_policy(name).config(registry)
+    assert [p.name for p in resolve_policies([])] == list(BASELINES)
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        "plugins:\n- type: queue-scorer\n- type: max-score-picker\n"
+        "schedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n"
+    )
+    named = resolve_policy(f"short={config}")
+    assert named.name == "short" and not named.needs_prompt
+    assert resolve_policy(str(config)).name == "mine"
+    assert resolve_policy("kv-picker").needs_prompt
+    with pytest.raises(ConfigError, match="not a baseline"):
+        resolve_policy("fastest")
+    with pytest.raises(ConfigError, match="repeated: random"):
+        resolve_policies(["random", "random"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("plugins:\n- type: queue-scorer\n  parameters: {depth: 3}\n")
+    with pytest.raises(ConfigError, match=r"policy bad .*unknown parameter\(s\) depth"):
+        resolve_policy(str(bad)).config(registry)
+
+
+def test_pd_variant_gives_each_side_its_own_plugins() -> None:
+    registry = harness_registry()
+    for name in ("kv-picker", "round-robin", "gie-default"):
+        variant = pd_variant(resolve_policy(name), 256)
+        config = variant.config(registry)
+        assert [p.name for p in config.profiles] == ["decode", "prefill"]
+        decode, prefill = config.profiles
+        assert decode.entries[0].plugin_ref == "decode-filter"
+        assert prefill.entries[0].plugin_ref == "prefill-filter"
+        assert all(e.plugin_ref.startswith("decode-") for e in decode.entries)
+    with pytest.raises(ConfigError, match="exactly one profile"):
+        pd_variant(
+            Policy(
+                "two",
+                {
+                    "plugins": [{"type": "random-picker"}],
+                    "schedulingProfiles": [
+                        {"name": "a", "plugins": []},
+                        {"name": "b", "plugins": []},
+                    ],
+                },
+            )
+        )
