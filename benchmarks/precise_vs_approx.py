@@ -320,9 +320,15 @@ def format_rows(rows: Sequence[PhaseResult]) -> str:
         if len(pair) == 2:
             p, a = pair["precise"], pair["approximate"]
             lines.append(
-                f"| {phase} | {p.hit_ratio / a.hit_ratio:.2f} | {p.ttft_mean_ms / a.ttft_mean_ms:.2f} |"
+                f"| {phase} | {_ratio(p.hit_ratio, a.hit_ratio):.2f} | "
+                f"{_ratio(p.ttft_mean_ms, a.ttft_mean_ms):.2f} |"
             )
     return "\n".join(lines)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN when the baseline is 0 (e.g. no hit at all in a phase)."""
+    return numerator / denominator if denominator else float("nan")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
