@@ -46,40 +46,20 @@ import xxhash
 from benchmarks.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
 from benchmarks.sim.cache import _digest as _block_digest  # keys must equal BlockHasher's
 from benchmarks.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
+from picker.state.hardware import BUILTIN_HARDWARE_CLASSES
+from picker.state.hardware import HardwareClass as HardwareClass  # re-exported
 
 DEFAULT_NUM_GPU_BLOCKS = 2048
 """KV capacity (blocks) of the reference hardware class when none is configured."""
 
 
-@dataclass(frozen=True, slots=True)
-class HardwareClass:
-    """Relative performance of one accelerator type, against an H100 (1.0).
-
-    Attributes:
-        name: The class name used on the command line and in endpoint labels.
-        prefill_speed: Multiplies the prefill rate in tokens/s.
-        decode_speed: Divides the step time of the forward pass.
-        kv_capacity: Multiplies the default KV capacity in blocks.
-    """
-
-    name: str
-    prefill_speed: float
-    decode_speed: float
-    kv_capacity: float
-
-
-H100 = HardwareClass("H100", prefill_speed=1.0, decode_speed=1.0, kv_capacity=1.0)
+# One table for the picker's scorers and the simulated endpoints' timing (datasheet-derived
+# prefill, decode and KV-capacity factors relative to an H100; see picker.state.hardware).
+H100 = BUILTIN_HARDWARE_CLASSES["H100"]
 
 HARDWARE_CLASSES: Mapping[str, HardwareClass] = MappingProxyType(
-    {
-        "H100": H100,
-        "H200": HardwareClass("H200", prefill_speed=1.0, decode_speed=1.3, kv_capacity=1.75),
-        "A100": HardwareClass("A100", prefill_speed=0.6, decode_speed=0.6, kv_capacity=1.0),
-        "L4": HardwareClass("L4", prefill_speed=0.25, decode_speed=0.3, kv_capacity=0.25),
-        "default": H100,
-    }
+    {**BUILTIN_HARDWARE_CLASSES, "default": H100}
 )
-"""Built-in hardware classes by name; ``default`` is the H100."""
 
 
 def hardware_class(name: str) -> HardwareClass:
@@ -278,6 +258,7 @@ class EngineStats:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    transferred_tokens: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -302,6 +283,8 @@ class _Request:
     cache_salt: str | None = None
     # Digest of the last full block hashed (the chain continues from it as decode fills blocks).
     last_digest: bytes | None = None
+    # Leading prompt tokens computed elsewhere and transferred in (P/D).
+    num_transferred_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -404,6 +387,7 @@ class SimEngine:
         now_s: float,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        num_transferred_tokens: int = 0,
     ) -> None:
         """Queues a request.
 
@@ -414,6 +398,9 @@ class SimEngine:
             now_s: Model time of arrival.
             cache_salt: Optional salt isolating the request's cached blocks.
             lora_name: Optional LoRA adapter (part of the block hashes, as in vLLM).
+            num_transferred_tokens: Leading prompt tokens whose KV arrived from a prefill
+                endpoint (P/D disaggregation): at admission they are stored as computed, with
+                no prefill cost, beyond what the local cache already holds.
 
         Raises:
             RequestRejected: If the request can never be served.
@@ -457,6 +444,7 @@ class SimEngine:
             num_blocks_total=num_blocks_total,
             cache_salt=cache_salt,
             last_digest=last_digest,
+            num_transferred_tokens=max(0, num_transferred_tokens),
         )
         self._by_id[req_id] = request
         self._waiting.append(request)
@@ -564,8 +552,9 @@ class SimEngine:
         if finished:
             done_ids = {summary.req_id for summary in finished}
             self._running = [r for r in self._running if r.req_id not in done_ids]
-            for req_id in done_ids:
-                self._release(self._by_id.pop(req_id))
+            # In finishing order, not set order: eviction order must not depend on the hash seed.
+            for summary in finished:
+                self._release(self._by_id.pop(summary.req_id))
         return StepResult(now_s, duration_s, num_prefill_tokens, num_decode_seqs, tokens, finished)
 
     # ---------------------------------------------------------------------------- helpers
@@ -588,7 +577,23 @@ class SimEngine:
         request.num_computed_tokens = num_hit_tokens
         request.num_cached_tokens = num_hit_tokens
         request.scheduled_s = now_s
+        # KV transferred from a prefill endpoint: computed already, stored like a prefill.
+        num_transferred = min(request.num_transferred_tokens, num_prompt_tokens - 1)
+        if num_transferred > num_hit_tokens:
+            self._complete_prefill_chunk(request, num_transferred - num_hit_tokens)
+            self.stats.transferred_tokens += num_transferred - num_hit_tokens
         return True
+
+    def num_cached_prompt_tokens(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> int:
+        """Leading prompt tokens the cache holds now (what a transfer need not send)."""
+        keys, _ = self._hash_blocks(list(prompt_token_ids), 0, None, lora_name, cache_salt)
+        return self.cache.lookup(keys) * self.config.block_size
 
     def _complete_prefill_chunk(self, request: _Request, chunk: int) -> None:
         request.num_computed_tokens += chunk

@@ -137,6 +137,10 @@ class SimMetrics:
         self.inter_token = LatencyHistogram(ITL_BUCKETS_S)
         self.e2e = LatencyHistogram(REQUEST_LATENCY_BUCKETS_S)
         self.queue_time = LatencyHistogram(REQUEST_LATENCY_BUCKETS_S)
+        # P/D disaggregation: legs served here by kind, failed prefill legs, blocks pulled in.
+        self.pd_legs = {"prefill": 0, "decode": 0}
+        self.pd_leg_failures = 0
+        self.transferred_blocks = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -273,6 +277,26 @@ class SimMetrics:
             family = HistogramMetricFamily(name, doc, labels=labels)
             family.add_metric(values, histogram.buckets(), histogram.sum_s)
             yield family
+
+        legs = CounterMetricFamily(
+            "kv_picker_sim_pd_legs",
+            "P/D legs served: prefill (computed here for another endpoint) or decode (prefill "
+            "done elsewhere, KV pulled in).",
+            labels=[*labels, "leg"],
+        )
+        for leg, count in self.pd_legs.items():
+            legs.add_metric([*values, leg], count)
+        yield legs
+        yield counter(
+            "kv_picker_sim_pd_leg_failures",
+            "Prefill legs that failed (the endpoint then prefilled by itself).",
+            self.pd_leg_failures,
+        )
+        yield counter(
+            "kv_picker_sim_transferred_blocks",
+            "KV blocks pulled from prefill endpoints (those not already cached here).",
+            self.transferred_blocks,
+        )
 
         info = GaugeMetricFamily(
             "kv_picker_sim_info",

@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -86,7 +87,10 @@ class SimEndpointConfig:
         host: Address to bind.
         port: Port to bind; 0 picks a free one.
         model: Served model name.
-        role: ``prefill``, ``decode`` or ``both`` (exported; P/D behaviour is not modelled).
+        role: ``prefill``, ``decode`` or ``both``. Any role answers a prefill leg (a request
+            whose ``kv_transfer_params`` has ``do_remote_decode``); a request carrying
+            ``x-prefiller-host-port`` first sends its prefill leg there, then decodes with the
+            transferred KV, as llm-d's routing sidecar does.
         hardware_class: Name of a built-in hardware class.
         time_scale: Wall seconds per model second (> 0); 0.01 runs 100 times faster.
         block_size: Tokens per KV block.
@@ -105,6 +109,10 @@ class SimEndpointConfig:
         kv_events_replay_port: ROUTER port answering replays (None: no replay socket).
         kv_events_encoding: ``array`` or ``map`` event encoding.
         kv_events_topic: first frame of every message; default ``kv@<address>@<model>``.
+        kv_transfer_gbps: P/D link bandwidth in gigabits per second (model time).
+        kv_bytes_per_token: KV bytes per token of the served model (default: Llama-3.1-8B in
+            BF16, 2 (K,V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131,072).
+        prefill_leg_timeout_s: wall seconds to wait for a prefill leg before prefilling here.
     """
 
     host: str = "127.0.0.1"
@@ -128,6 +136,9 @@ class SimEndpointConfig:
     kv_events_replay_port: int | None = None
     kv_events_encoding: str = "array"
     kv_events_topic: str | None = None
+    kv_transfer_gbps: float = 200.0
+    kv_bytes_per_token: int = 131_072
+    prefill_leg_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -141,6 +152,8 @@ class SimEndpointConfig:
         if self.model in self.lora_modules:
             raise ValueError(f"LoRA name {self.model!r} equals the served model name")
         hardware_class(self.hardware_class)
+        if not (self.kv_transfer_gbps > 0 and self.kv_bytes_per_token > 0):
+            raise ValueError("kv_transfer_gbps and kv_bytes_per_token must be positive")
         if self.kv_events_encoding not in ENCODINGS:
             raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}")
         for name in ("kv_events_port", "kv_events_replay_port"):
@@ -249,6 +262,23 @@ class _Pending:
     arrival_s: float
     last_token_s: float | None = None
     summary: FinishedRequest | None = None
+
+
+@dataclass(slots=True)
+class _Disaggregation:
+    """What happened before this endpoint's engine saw a request (P/D), in model seconds."""
+
+    prefill_endpoint: str | None = None
+    prefill_leg_s: float = 0.0
+    transfer_s: float = 0.0
+    transferred_tokens: int = 0
+    leg_error: str | None = None
+    # Set on a prefill leg: the KV transfer parameters returned to the decode side.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_PREFILLER_HEADER: Final = "x-prefiller-host-port"
+_PREFILL_LEG_DROPPED = ("stream_options", "max_completion_tokens", "max_tokens")
 
 
 def _is_int(value: Any) -> bool:
@@ -679,6 +709,13 @@ class SimEndpoint:
             params = await asyncio.to_thread(self._parse, payload, kind)
         model = payload["model"]
         req_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        disaggregation = _Disaggregation()
+        kv_params = payload.get("kv_transfer_params")
+        prefiller = request.headers.get(_PREFILLER_HEADER)
+        if isinstance(kv_params, dict) and kv_params.get("do_remote_decode") is True:
+            disaggregation.kv_transfer_params = self._remote_prefill_params(params)
+        elif prefiller:
+            await self._prefill_leg(prefiller, request, payload, params, disaggregation)
         now_s = self._now_s()
         try:
             self.engine.add_request(
@@ -688,6 +725,7 @@ class SimEndpoint:
                 now_s=now_s,
                 cache_salt=params.cache_salt,
                 lora_name=params.lora_name,
+                num_transferred_tokens=disaggregation.transferred_tokens,
             )
         except RequestRejected as exc:
             raise _BadRequest(str(exc)) from None
@@ -697,14 +735,118 @@ class SimEndpoint:
         self._work.set()
         try:
             if params.stream:
-                return await self._respond_stream(request, kind, req_id, model, params, pending)
-            return await self._respond_full(kind, req_id, model, params, pending)
+                return await self._respond_stream(
+                    request, kind, req_id, model, params, pending, disaggregation
+                )
+            return await self._respond_full(kind, req_id, model, params, pending, disaggregation)
         finally:
             self._pending.pop(req_id, None)
             if pending.summary is None and not (self._closing or self._failed):
                 aborted = self.engine.abort_request(req_id, self._now_s())
                 if aborted is not None:
                     self.metrics.observe_finished(aborted)
+
+    def _remote_prefill_params(self, params: _GenerateParams) -> dict[str, Any]:
+        """What a prefill leg returns: where the decode side can pull the prompt's KV from."""
+        num_blocks = -(-len(params.prompt_token_ids) // self.config.block_size)
+        self.metrics.pd_legs["prefill"] += 1
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._address,
+            "remote_block_ids": list(range(num_blocks)),
+            "remote_host": self._host,
+            "remote_port": self._port,
+            "tp_size": 1,
+        }
+
+    async def _prefill_leg(
+        self,
+        prefiller: str,
+        request: web.Request,
+        payload: dict[str, Any],
+        params: _GenerateParams,
+        disaggregation: _Disaggregation,
+    ) -> None:
+        """Have ``prefiller`` compute the prompt, then pull its KV over the modelled link.
+
+        The leg is the same request with one output token, not streamed, and
+        ``kv_transfer_params.do_remote_decode`` set (llm-d's sidecar with vLLM's NIXL
+        connector does the same). A failed leg is logged and counted, and this endpoint
+        prefills by itself: the client still gets its answer.
+        """
+        disaggregation.prefill_endpoint = prefiller
+        leg = {k: v for k, v in payload.items() if k not in _PREFILL_LEG_DROPPED}
+        leg.update(
+            max_tokens=1,
+            stream=False,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
+        headers = {"x-request-id": request.headers.get("x-request-id", uuid.uuid4().hex)}
+        url = f"http://{prefiller}{request.path}"
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.prefill_leg_timeout_s)
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.post(url, json=leg, headers=headers) as reply,
+            ):
+                document = await reply.json(content_type=None)
+                if reply.status != 200:
+                    raise ValueError(f"HTTP {reply.status}: {str(document)[:200]}")
+            returned = document.get("kv_transfer_params") or {}
+            block_ids = returned.get("remote_block_ids") or []
+            leg_timing = document.get("kv_picker_sim") or {}
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            disaggregation.leg_error = f"{type(exc).__name__}: {exc}"
+            self.metrics.pd_leg_failures += 1
+            logger.warning("prefill leg to %s failed, prefilling locally: %s", prefiller, exc)
+            return
+        block_size = self.config.block_size
+        transferred = min(len(block_ids) * block_size, len(params.prompt_token_ids))
+        local = self.engine.num_cached_prompt_tokens(
+            params.prompt_token_ids, cache_salt=params.cache_salt, lora_name=params.lora_name
+        )
+        to_pull = max(0, transferred - local)
+        link_bytes_per_s = self.config.kv_transfer_gbps * 1e9 / 8
+        disaggregation.transfer_s = to_pull * self.config.kv_bytes_per_token / link_bytes_per_s
+        disaggregation.prefill_leg_s = float(leg_timing.get("ttft_s") or 0.0)
+        disaggregation.transferred_tokens = transferred
+        self.metrics.pd_legs["decode"] += 1
+        self.metrics.transferred_blocks += -(-to_pull // block_size)
+        # The pull runs beside the engine (RDMA), so it delays this request only.
+        await asyncio.sleep(disaggregation.transfer_s * self.config.time_scale)
+
+    def _timing(self, pending: _Pending, disaggregation: _Disaggregation) -> dict[str, Any]:
+        """Per-request timing in model seconds, for benchmarks that need exact figures.
+
+        ``ttft_s`` counts from the client's point of view: the prefill leg and the KV transfer
+        (when disaggregated) plus this engine's time to the first token.
+        """
+        summary = pending.summary
+        local_ttft_s = summary.ttft_s if summary is not None and summary.ttft_s else 0.0
+        e2e_s = summary.e2e_s if summary is not None else 0.0
+        num_output = summary.num_output_tokens if summary is not None else 0
+        tpot_s = (e2e_s - local_ttft_s) / (num_output - 1) if num_output > 1 else 0.0
+        before_s = disaggregation.prefill_leg_s + disaggregation.transfer_s
+        return {
+            "endpoint": self._address,
+            "prefill_endpoint": disaggregation.prefill_endpoint,
+            "prefill_leg_error": disaggregation.leg_error,
+            "ttft_s": before_s + local_ttft_s,
+            "tpot_s": tpot_s,
+            "e2e_s": before_s + e2e_s,
+            "prefill_leg_s": disaggregation.prefill_leg_s,
+            "transfer_s": disaggregation.transfer_s,
+            "transferred_tokens": disaggregation.transferred_tokens,
+            "cached_tokens": summary.num_cached_tokens if summary is not None else 0,
+        }
 
     async def _respond_full(
         self,
@@ -713,6 +855,7 @@ class SimEndpoint:
         model: str,
         params: _GenerateParams,
         pending: _Pending,
+        disaggregation: _Disaggregation,
     ) -> web.Response:
         token_ids: list[int] = []
         while True:
@@ -747,7 +890,10 @@ class SimEndpoint:
             "model": model,
             "choices": [choice],
             "usage": _usage(pending.summary, params, len(token_ids)),
+            "kv_picker_sim": self._timing(pending, disaggregation),
         }
+        if disaggregation.kv_transfer_params is not None:
+            body["kv_transfer_params"] = disaggregation.kv_transfer_params
         return web.json_response(body)
 
     async def _respond_stream(
@@ -758,6 +904,7 @@ class SimEndpoint:
         model: str,
         params: _GenerateParams,
         pending: _Pending,
+        disaggregation: _Disaggregation,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             status=200,
@@ -819,7 +966,10 @@ class SimEndpoint:
                     "finish_reason": finish_reason,
                     "stop_reason": None,
                 }
-            await send(chunk([choice]))
+            data = chunk([choice])
+            if event.finished:
+                data["kv_picker_sim"] = self._timing(pending, disaggregation)
+            await send(data)
             if event.finished:
                 break
         if params.include_usage:
@@ -969,6 +1119,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="topic frame of KV events (default kv@<endpoint>@<model>)",
     )
     parser.add_argument(
+        "--kv-transfer-gbps",
+        type=float,
+        default=200.0,
+        help="P/D link bandwidth in Gbit/s, for the KV pulled from a prefill endpoint "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131_072,
+        help="KV bytes per token of the served model (default %(default)s: Llama-3.1-8B, BF16)",
+    )
+    parser.add_argument(
         "--log-level",
         default="WARNING",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -1005,6 +1168,8 @@ def config_from_args(args: argparse.Namespace) -> SimEndpointConfig:
         kv_events_replay_port=args.kv_events_replay_port,
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=args.kv_events_topic,
+        kv_transfer_gbps=args.kv_transfer_gbps,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
 
 

@@ -129,8 +129,9 @@ def test_hardware_class_scales_time_and_capacity() -> None:
 
     assert ttft("H100") < ttft("A100") < ttft("L4")
     assert hardware_class("default") == hardware_class("H100")
-    assert EngineConfig(hardware=hardware_class("L4")).resolved_num_gpu_blocks == 512
-    with pytest.raises(ValueError, match="known: A100, H100"):
+    # The shared datasheet table: an L4 has 24 of an H100's 80 GB.
+    assert EngineConfig(hardware=hardware_class("L4")).resolved_num_gpu_blocks == round(2048 * 0.3)
+    with pytest.raises(ValueError, match="known: 1g.10gb"):
         hardware_class("TPU")
 
 
