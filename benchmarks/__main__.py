@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "overhead": "benchmarks.overhead",
+    "pd": "benchmarks.pd_bench",
     "kv-index": "benchmarks.kv_index_bench",
     "precise-vs-approx": "benchmarks.precise_vs_approx",
     "replay": "benchmarks.harness.replay",
@@ -21,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
         print("usage: kv-picker bench {" + ",".join(COMMANDS) + "} [--help]")
         print("  overhead   latency/throughput added by kv-picker vs Envoy routing directly")
+        print("  pd         P/D vs aggregated vs hardware-blind on a heterogeneous pool")
         print("  kv-index   precise KV index: event ingestion, lookup latency, memory, Redis")
         print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")
         print("  replay     offline trace replay: every routing policy on the cluster simulator")

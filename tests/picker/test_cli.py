@@ -197,3 +197,35 @@ def test_explain_infers_the_chat_path(tmp_path: Path) -> None:
     result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["request"]["kind"] == "chat"
+
+
+def test_pd_benchmark_smoke(tmp_path: Path) -> None:
+    result = kv_picker(
+        "bench",
+        "pd",
+        "--fast",
+        "1",
+        "--slow",
+        "1",
+        "--requests",
+        "12",
+        "--rate",
+        "4",
+        "--long-share",
+        "0.5",
+        "--long-words",
+        "900",
+        "--threshold",
+        "256",
+        "--time-scale",
+        "0.02",
+        "--out",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["policy"]: row for row in json.loads((tmp_path / "pd.json").read_text())}
+    assert set(rows) == {"hardware-blind", "aggregated", "pd"}
+    assert all(row["errors"] == 0 for row in rows.values())
+    assert rows["pd"]["disaggregated"] > 0
+    assert rows["hardware-blind"]["disaggregated"] == 0
