@@ -131,7 +131,7 @@ def test_hardware_class_scales_time_and_capacity() -> None:
     assert hardware_class("default") == hardware_class("H100")
     # The shared datasheet table: an L4 has 24 of an H100's 80 GB.
     assert EngineConfig(hardware=hardware_class("L4")).resolved_num_gpu_blocks == round(2048 * 0.3)
-    with pytest.raises(ValueError, match="known: 1g.10gb"):
+    with pytest.raises(ValueError, match=r"known: 1g\.10gb"):
         hardware_class("TPU")
 
 
