@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -50,13 +49,6 @@ def _prefix_counters(stack: LocalStack) -> tuple[float, float]:
     return queries, hits
 
 
-def _reset_caches(stack: LocalStack) -> None:
-    for address in stack.sim_addresses:
-        request = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=5):
-            pass
-
-
 def run_profile(
     stack: LocalStack,
     name: str,
@@ -65,7 +57,7 @@ def run_profile(
     concurrency: int,
 ) -> RunSummary:
     stack.start_picker(config or {})
-    _reset_caches(stack)
+    stack.reset_prefix_caches()
     queries_before, hits_before = _prefix_counters(stack)
     started = time.perf_counter()
     outcomes: list[Outcome] = asyncio.run(replay(stack.url, workload.requests(), concurrency))

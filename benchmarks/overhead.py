@@ -23,17 +23,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
 from benchmarks.client import Outcome, percentile, replay
 from benchmarks.workloads import WorkloadRequest, long_prompt_requests
 from picker.localstack import (
     LocalStack,
     ManagedProcess,
-    envoy_binary,
     envoy_bootstrap,
     free_port,
-    http_get,
 )
 from picker.wire import DESTINATION_HEADER
 
@@ -56,26 +52,7 @@ def _direct_envoy(stack: LocalStack) -> tuple[ManagedProcess, int]:
     hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][1:]
     bootstrap["static_resources"]["clusters"] = bootstrap["static_resources"]["clusters"][:1]
-    path = stack.workdir / "envoy-direct.yaml"
-    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-    process = ManagedProcess(
-        "envoy-direct",
-        [
-            envoy_binary(),
-            "-c",
-            str(path),
-            "--disable-hot-restart",
-            "--log-level",
-            "warn",
-            "--concurrency",
-            "2",
-        ],
-        stack.workdir / "envoy-direct.log",
-    )
-    stack.processes.append(process)
-    process.wait_until(
-        lambda: http_get(f"http://127.0.0.1:{admin}/ready")[0] == 200, 30.0, "readiness"
-    )
+    process = stack.launch_envoy("envoy-direct", bootstrap, admin)
     return process, port
 
 

@@ -20,7 +20,6 @@ import asyncio
 import json
 import random
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -166,13 +165,6 @@ async def _replay(url: str, requests: Sequence[Request], time_scale: float) -> l
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-def _reset(stack: LocalStack) -> None:
-    for address in stack.sim_addresses:
-        req = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(req, timeout=5):
-            pass
-
-
 def run(
     fast: int,
     slow: int,
@@ -199,7 +191,7 @@ def run(
                 role = "both" if name != "pd" else ("prefill" if i < fast else "decode")
                 spec.labels = {CLASS_LABEL: spec.hardware_class, ROLE_LABEL: role}
             stack.start_picker(config)
-            _reset(stack)
+            stack.reset_prefix_caches()
             started = time.perf_counter()
             timings = asyncio.run(_replay(stack.url, workload, time_scale))
             wall_s = time.perf_counter() - started

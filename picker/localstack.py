@@ -478,22 +478,26 @@ class LocalStack:
         bootstrap = envoy_bootstrap(
             self.envoy_port, self.envoy_admin_port, self.picker_grpc_port, self.body_mode
         )
-        path = self.workdir / "envoy.yaml"
+        self.envoy = self.launch_envoy("envoy", bootstrap, self.envoy_admin_port)
+
+    def launch_envoy(self, name: str, bootstrap: dict[str, Any], admin_port: int) -> ManagedProcess:
+        """Start an Envoy with ``bootstrap`` as one of the stack's processes, once it is ready."""
+        path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-        argv = [
-            envoy_binary(),
-            "-c",
-            str(path),
-            "--disable-hot-restart",
-            "--log-level",
-            "warn",
-            "--concurrency",
-            "2",
-        ]
-        self.envoy = ManagedProcess("envoy", argv, self.workdir / "envoy.log")
-        self.processes.append(self.envoy)
-        admin = f"http://127.0.0.1:{self.envoy_admin_port}/ready"
-        self.envoy.wait_until(lambda: http_get(admin)[0] == 200, 30.0, "readiness")
+        argv = [envoy_binary(), "-c", str(path), "--disable-hot-restart",
+                "--log-level", "warn", "--concurrency", "2"]  # fmt: skip
+        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+        self.processes.append(process)
+        admin = f"http://127.0.0.1:{admin_port}/ready"
+        process.wait_until(lambda: http_get(admin)[0] == 200, 30.0, "readiness")
+        return process
+
+    def reset_prefix_caches(self) -> None:
+        """Empty every simulated endpoint's prefix cache (vLLM's ``POST /reset_prefix_cache``)."""
+        for address in self.sim_addresses:
+            request = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=10):
+                pass
 
     def sim_metrics(self) -> dict[str, dict[str, float]]:
         """Per endpoint: the sum of each vLLM sample's values, by sample name."""

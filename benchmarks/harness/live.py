@@ -38,7 +38,6 @@ import os
 import shutil
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,13 +215,6 @@ def _counters(stack: LocalStack) -> list[dict[str, float]]:
     return [metrics[address] for address in stack.sim_addresses]
 
 
-def _reset_caches(stack: LocalStack) -> None:
-    for address in stack.sim_addresses:
-        request = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=10):
-            pass
-
-
 def summarize_live(
     name: str,
     outcomes: Sequence[Outcome],
@@ -281,7 +273,7 @@ def summarize_live(
 def _replay_target(
     stack: LocalStack, name: str, base_url: str, trace: Trace, args: argparse.Namespace
 ) -> LiveRun:
-    _reset_caches(stack)
+    stack.reset_prefix_caches()
     before = _counters(stack)
     requests = trace_requests(trace, stack.model)
     started = time.perf_counter()
