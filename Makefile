@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install proto
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Regenerate picker/api/ from proto/ (a test fails when they differ).
+proto: $(STAMP)
+	$(VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. \
+		--pyi_out=. proto/picker/api/admin.proto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check picker scorers benchmarks tests

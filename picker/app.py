@@ -28,6 +28,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from picker.admin import add_admin_service
 from picker.config import PickerConfig, hardware_table, load_config
 from picker.director import Director
 from picker.errors import ConfigError
@@ -117,6 +118,7 @@ class PickerApp:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)
+        add_admin_service(server, self.director)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{config.server.host}:{config.server.grpc_port}"

@@ -46,61 +46,69 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Per-endpoint, per-scorer scores for one request body, without sending it.
 
-    The picker is built exactly as ``serve`` builds it (same plugins, same index backend), but
-    no server starts; with ``--scrape`` the endpoints' metrics are read once, otherwise every
-    endpoint counts as ready and idle.
+    With ``--server`` the running picker answers (its live signals and KV index, through the
+    ``kvpicker.v1.Admin`` API). Otherwise the picker is built from ``--config`` exactly as
+    ``serve`` builds it, but no server starts; with ``--scrape`` the endpoints' metrics are
+    read once, else every endpoint counts as ready and idle. Either way nothing is recorded.
     """
-    from picker.app import PickerApp
-    from picker.scheduling.types import LLMRequest, SchedulingResult
+    from google.protobuf import json_format
 
-    config, registry = _load(args.config)
+    from picker.admin import dry_run
+    from picker.api import admin_pb2
+
     try:
         body = Path(args.request).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{args.request}: cannot read request: {exc.strerror}") from exc
-    app = PickerApp(config, registry)
-    path = args.path
-    if path is None:
-        path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+    headers = dict(_parse_header(h) for h in args.header)
 
-    async def explain() -> tuple[LLMRequest, SchedulingResult]:
-        if args.scrape:
-            await app.scraper.scrape_once()
-        else:
-            for endpoint in app.store.all():
-                app.store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
-        request = app.director.parse(body, {":path": path, ":method": "POST"})
-        preparing = app.director.prepare(request)
-        if preparing is not None:
-            await preparing
-        return request, app.director.schedule(request, None, explain=True)
+    if args.server:
+        import grpc
 
-    request, result = asyncio.run(explain())
-    report = {
-        "request": {
-            "model": request.model,
-            "kind": request.kind,
-            "prompt_chars": len(request.prompt),
-        },
-        "primary_profile": result.primary_profile,
-        "profiles": {},
-    }
-    for name, profile_result in result.profile_results.items():
-        rows = []
-        for i, endpoint in enumerate(profile_result.candidates):
-            scores = {
-                scorer: values[i] for scorer, values in (profile_result.breakdown or {}).items()
-            }
-            rows.append(
-                {"endpoint": endpoint.address, "total": profile_result.totals[i], "scores": scores}
-            )
-        rows.sort(key=lambda row: -float(row["total"]))  # type: ignore[arg-type]
-        report["profiles"][name] = {  # type: ignore[index]
-            "picked": [e.address for e in profile_result.targets],
-            "candidates": rows,
-        }
-    print(json.dumps(report, indent=2))
+        from picker.api import admin_pb2_grpc
+
+        async def ask() -> admin_pb2.ExplainResponse:
+            async with grpc.aio.insecure_channel(args.server) as channel:
+                stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+                request = admin_pb2.ExplainRequest(path=args.path or "", body=body,
+                                                   headers=headers)  # fmt: skip
+                response: admin_pb2.ExplainResponse = await stub.Explain(request, timeout=10)
+                return response
+
+        try:
+            response = asyncio.run(ask())
+        except grpc.aio.AioRpcError as exc:
+            print(f"kv-picker: {args.server}: {exc.details()}", file=sys.stderr)
+            return EXIT_FAILURE
+    else:
+        if not args.config:
+            raise ConfigError("explain needs --config FILE or --server HOST:PORT")
+        from picker.app import PickerApp
+
+        config, registry = _load(args.config)
+        app = PickerApp(config, registry)
+
+        async def offline() -> admin_pb2.ExplainResponse:
+            if args.scrape:
+                await app.scraper.scrape_once()
+            else:
+                for endpoint in app.store.all():
+                    app.store.update_metrics(endpoint.id, waiting=0, running=0, kv_usage=0)
+            return await dry_run(app.director, body, args.path or "", headers)
+
+        response = asyncio.run(offline())
+    document = json_format.MessageToDict(
+        response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    print(json.dumps(document, indent=2))
     return EXIT_OK
+
+
+def _parse_header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise ConfigError(f"--header must look like 'name: value', got {text!r}")
+    return name.strip().lower(), value.strip()
 
 
 def cmd_sim_endpoint(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -148,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=7, help="workload seed (7)")
 
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
-    explain.add_argument("--config", required=True, help="EndpointPickerConfig YAML")
+    explain.add_argument("--config", help="EndpointPickerConfig YAML (offline explain)")
+    explain.add_argument(
+        "--server", help="ask a running picker instead (HOST:PORT of its ext_proc port)"
+    )
     explain.add_argument("--request", required=True, help="JSON request body file")
     explain.add_argument(
         "--path",
@@ -159,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--scrape",
         action="store_true",
-        help="scrape the endpoints' /metrics first (default: all idle)",
+        help="offline: scrape the endpoints' /metrics first (default: all idle)",
+    )
+    explain.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        help="request header 'name: value' (repeatable), e.g. a session token or objective",
     )
 
     sub.add_parser(

@@ -110,9 +110,20 @@ class Director:
         return None if pending is None else _await_all(pending)
 
     def schedule(
-        self, request: LLMRequest, metadata: Mapping[str, Any] | None, explain: bool = False
+        self,
+        request: LLMRequest,
+        metadata: Mapping[str, Any] | None,
+        explain: bool = False,
+        record: bool = True,
     ) -> SchedulingResult:
         """Run the scheduler for a parsed request.
+
+        Args:
+            request: the parsed request.
+            metadata: the stream's filter metadata (subset hint).
+            explain: keep every scorer's scores in the result.
+            record: count the decision in metrics and run post-pick hooks (index updates);
+                False for a dry run that must leave no trace.
 
         Raises:
             PickerError: no endpoints (503), all filtered out (429), or an internal error.
@@ -121,15 +132,17 @@ class Director:
         try:
             saturation = self.admission.admit(request, candidates)
         except SaturatedError:
-            self.metrics.admission.labels("shed").inc()
+            if record:
+                self.metrics.admission.labels("shed").inc()
             raise
-        if saturation is not None:
-            self.metrics.pool_saturation.set(saturation)
-        self.metrics.admission.labels(
-            "admitted" if request.priority >= 0 else "admitted-sheddable"
-        ).inc()
+        if record:
+            if saturation is not None:
+                self.metrics.pool_saturation.set(saturation)
+            self.metrics.admission.labels(
+                "admitted" if request.priority >= 0 else "admitted-sheddable"
+            ).inc()
         try:
-            result = self.scheduler.schedule(request, candidates, explain)
+            result = self.scheduler.schedule(request, candidates, explain, record)
         except PickerError:
             raise
         except Exception as exc:  # a plugin bug must not take the stream down

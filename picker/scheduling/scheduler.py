@@ -188,9 +188,20 @@ class Scheduler:
         return headers
 
     def schedule(
-        self, request: LLMRequest, candidates: list[Endpoint], explain: bool = False
+        self,
+        request: LLMRequest,
+        candidates: list[Endpoint],
+        explain: bool = False,
+        record: bool = True,
     ) -> SchedulingResult:
         """Pick endpoints for a request.
+
+        Args:
+            request: the parsed request.
+            candidates: endpoints that may serve it.
+            explain: keep every scorer's clamped scores in the result.
+            record: run the post-pick hooks (e.g. the approximate index records the blocks
+                sent); False for a dry run.
 
         Raises:
             SaturatedError: every candidate was filtered out.
@@ -204,8 +215,9 @@ class Scheduler:
             return profiles[profile_name].run(request, candidates, explain)
 
         result = self.handler.schedule(request, candidates, self._profile_names, run_profile)
-        for hook in self._post_pick:
-            hook.on_pick(request, result)
+        if record:
+            for hook in self._post_pick:
+                hook.on_pick(request, result)
         if self._metrics is not None:
             self._metrics.scheduling_seconds.observe(_perf() - start)
         return result

@@ -82,7 +82,8 @@ def test_explain_shows_every_scorer_for_every_endpoint(tmp_path: Path) -> None:
     result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    profile = report["profiles"]["default"]
+    (profile,) = report["profiles"]
+    assert profile["name"] == "default" == report["primary_profile"]
     assert len(profile["candidates"]) == 3
     assert set(profile["candidates"][0]["scores"]) == {
         "prefix-cache-scorer",
@@ -90,7 +91,7 @@ def test_explain_shows_every_scorer_for_every_endpoint(tmp_path: Path) -> None:
         "kv-cache-utilization-scorer",
         "active-request-scorer",
     }
-    assert profile["picked"][0] == profile["candidates"][0]["endpoint"]
+    assert profile["picked"][0] == profile["candidates"][0]["address"]
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
     failed = kv_picker("explain", "--config", str(config), "--request", str(bad), timeout_s=30)
@@ -183,8 +184,8 @@ def test_explain_with_scrape_uses_live_endpoints_only(tmp_path: Path) -> None:
             "explain", "--config", str(config), "--request", str(request), "--scrape", timeout_s=60
         )
         assert result.returncode == 0, result.stderr
-        profile = json.loads(result.stdout)["profiles"]["default"]
-        assert [row["endpoint"] for row in profile["candidates"]] == [f"127.0.0.1:{port}"]
+        (profile,) = json.loads(result.stdout)["profiles"]
+        assert [row["address"] for row in profile["candidates"]] == [f"127.0.0.1:{port}"]
     finally:
         sim.stop()
 
@@ -196,7 +197,7 @@ def test_explain_infers_the_chat_path(tmp_path: Path) -> None:
     request.write_text(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
     result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["request"]["kind"] == "chat"
+    assert json.loads(result.stdout)["kind"] == "chat"
 
 
 def test_pd_benchmark_smoke(tmp_path: Path) -> None:
