@@ -17,6 +17,7 @@ from picker.errors import InternalError, NoEndpointsError, PickerError, Saturate
 from picker.handlers.body import parse_request
 from picker.metrics import PickerMetrics
 from picker.scheduling.scheduler import Scheduler
+from picker.scheduling.signals import uncached_prompt_tokens
 from picker.scheduling.types import LLMRequest, Prepare, SchedulingResult
 from picker.state.endpoints import Endpoint, EndpointStore
 from picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
@@ -158,6 +159,23 @@ class Director:
         except Exception:  # a plugin bug must not break a response already under way
             log.exception("response header plugin failed")
             return []
+
+    def begin_prefill(
+        self, request: LLMRequest, endpoint: Endpoint, prefill_endpoint: Endpoint | None
+    ) -> tuple[Endpoint, float]:
+        """Count the request's uncached prompt as queued prefill work where it will run.
+
+        Under P/D the prefill endpoint computes the prompt; otherwise the destination does.
+        Returns what :meth:`end_prefill` takes once the prefill is over.
+        """
+        target = prefill_endpoint or endpoint
+        tokens = uncached_prompt_tokens(request, target.id)
+        self.store.add_prefill(target.id, tokens)
+        return target, tokens
+
+    def end_prefill(self, endpoint: Endpoint, tokens: float) -> None:
+        if self.store.get(endpoint.id) is endpoint:
+            self.store.prefill_done(endpoint.id, tokens)
 
     def begin(self, endpoint: Endpoint) -> None:
         self.store.in_flight[endpoint.id] += 1

@@ -7,17 +7,23 @@ Formula, per candidate endpoint ``e`` of hardware class ``c``:
 ```
 uncached_tokens = prompt_tokens - cached_tokens(e)            # from the prefix scorer's match
 prefill_s       = uncached_tokens / (prefillTokensPerSecond * c.prefill_speed)
-queue_s         = pending(e) * queuedRequestSeconds / c.prefill_speed
-pending(e)      = max(waiting(e), in_flight(e) - running(e))   # queued, by scrape or by our count
+queue_s         = (queued_tokens(e) / prefillTokensPerSecond
+                   + unknown_waiting(e) * queuedRequestSeconds) / c.prefill_speed
+queued_tokens   = uncached prompt tokens this picker sent to e whose prefill has not finished
+unknown_waiting = max(0, waiting(e) - requests behind queued_tokens)   # e.g. other replicas'
 ttft(e)         = queue_s + prefill_s (+ transferSecondsPerToken * uncached_tokens under P/D)
 score(e)        = min_e' ttft(e') / ttft(e)                   # the fastest candidate scores 1
 ```
 
+Queued work is counted in tokens, not requests: a 100,000-token prompt ahead in the queue
+delays a new request far more than a 1,000-token one.
+
 How the inputs are measured: ``prompt_tokens`` is exact when a tokenizer ran, otherwise the
 prompt's characters / 4; ``cached_tokens`` comes from the ``prefix-cache-scorer`` of the same
 profile (list it before this scorer; without it nothing counts as cached); ``waiting`` and
-``running`` are scraped from ``/metrics``; ``in_flight`` is the picker's own count; ``c`` comes
-from the endpoint's hardware-class label. ``prefillTokensPerSecond`` is the H100-class prefill
+``running`` are scraped from ``/metrics``; the queued tokens are the picker's own count (added
+at the pick, removed at the request's first response byte); ``c`` comes from the endpoint's
+hardware-class label. ``prefillTokensPerSecond`` is the H100-class prefill
 rate and ``queuedRequestSeconds`` the mean prefill time of a queued request on H100: calibrate
 both from the endpoints' ``vllm:request_prefill_time_seconds`` and prompt-token histograms.
 
@@ -31,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from picker.scheduling.signals import cached_tokens, prompt_tokens
+from picker.scheduling.signals import uncached_prompt_tokens
 from picker.scheduling.types import BuildContext, LLMRequest
 from picker.state.endpoints import Endpoint
 
@@ -67,17 +73,14 @@ class PredictedLatencyScorer:
     def predict_ttft_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         params, store = self.params, self._store
         hardware = self._hardware.of(endpoint.labels)
-        uncached = max(
-            0.0, prompt_tokens(request, params.charsPerToken) - cached_tokens(request, endpoint.id)
-        )
+        uncached = uncached_prompt_tokens(request, endpoint.id, params.charsPerToken)
         prefill_s = uncached / (params.prefillTokensPerSecond * hardware.prefill_speed)
         endpoint_id = endpoint.id
-        pending = max(
-            store.waiting[endpoint_id],
-            store.in_flight[endpoint_id] - store.running[endpoint_id],
-            0.0,
-        )
-        queue_s = pending * params.queuedRequestSeconds / hardware.prefill_speed
+        unknown_waiting = max(0.0, store.waiting[endpoint_id] - store.prefill_requests[endpoint_id])
+        queue_s = (
+            store.prefill_tokens[endpoint_id] / params.prefillTokensPerSecond
+            + unknown_waiting * params.queuedRequestSeconds
+        ) / hardware.prefill_speed
         return queue_s + prefill_s + params.transferSecondsPerToken * uncached
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:

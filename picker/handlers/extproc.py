@@ -93,6 +93,8 @@ class RequestStream:
         self.started_s = time.perf_counter()
         self.picked_s = 0.0
         self.first_byte_seen = False
+        # (endpoint doing the prefill, its uncached tokens) until the first response byte.
+        self._prefill: tuple[Endpoint, float] | None = None
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
@@ -223,6 +225,7 @@ class RequestStream:
                 # The only secondary profile today is prefill (P/D disaggregation).
                 self.prefill_endpoint = profile_result.targets[0]
         self._routed(endpoint, "disaggregated" if self.prefill_endpoint else "routed")
+        self._prefill = self.director.begin_prefill(request, endpoint, self.prefill_endpoint)
         for profile, profile_result in result.profile_results.items():
             self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
         if self.request_body_mode == FULL_DUPLEX:
@@ -304,6 +307,7 @@ class RequestStream:
     def _response_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
         if message.body and not self.first_byte_seen:
             self.first_byte_seen = True
+            self._end_prefill()  # a response byte means the prompt has been processed
             if self.picked_s:
                 self.metrics.ttft_seconds.observe(time.perf_counter() - self.picked_s)
         if self.usage is not None and message.body:
@@ -325,10 +329,16 @@ class RequestStream:
         if message.end_of_stream:
             self._finish()
 
+    def _end_prefill(self) -> None:
+        if self._prefill is not None:
+            self.director.end_prefill(*self._prefill)
+            self._prefill = None
+
     def _finish(self) -> None:
         if self.finished:
             return
         self.finished = True
+        self._end_prefill()
         if self.endpoint is None:
             return
         self.director.finish(self.endpoint)

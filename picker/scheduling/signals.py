@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from picker.scheduling.types import LLMRequest
-from picker.state.endpoints import EndpointId
 
 PREFIX_MATCH = "signals.prefix_match"
 PROMPT_TOKENS = "signals.prompt_tokens"
@@ -33,7 +32,7 @@ class PrefixMatch:
     total_blocks: int
     matched_blocks: dict[int, int] = field(default_factory=dict)
 
-    def cached_tokens(self, endpoint_id: EndpointId) -> float:
+    def cached_tokens(self, endpoint_id: int) -> float:
         return self.matched_blocks.get(endpoint_id, 0) * self.block_tokens
 
 
@@ -45,9 +44,16 @@ def prompt_tokens(request: LLMRequest, chars_per_token: float = DEFAULT_CHARS_PE
     return len(request.prompt) / chars_per_token
 
 
-def cached_tokens(request: LLMRequest, endpoint_id: EndpointId) -> float:
+def cached_tokens(request: LLMRequest, endpoint_id: int) -> float:
     """Prompt tokens ``endpoint_id`` holds for this request (0 when no prefix scorer ran)."""
     match = request.state.get(PREFIX_MATCH)
     if isinstance(match, PrefixMatch):
         return match.cached_tokens(endpoint_id)
     return 0.0
+
+
+def uncached_prompt_tokens(
+    request: LLMRequest, endpoint_id: int, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+) -> float:
+    """Prompt tokens ``endpoint_id`` would have to prefill for this request."""
+    return max(0.0, prompt_tokens(request, chars_per_token) - cached_tokens(request, endpoint_id))

@@ -12,6 +12,9 @@ running:   12         4          0          vllm:num_requests_running
 kv_usage:  0.41       0.07       0.0        vllm:kv_cache_usage_perc, [0,1]
 lora:      LoraState  None       None       vllm:lora_requests_info
 in_flight: 2          0          0          requests routed here and not yet finished
+prefill_tokens: 5200.0  0.0     0.0        uncached prompt tokens sent here whose prefill has
+                                            not finished (no response byte yet): queued work
+prefill_requests: 1     0       0          how many requests those tokens belong to
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```
@@ -103,6 +106,8 @@ class EndpointStore:
         self.running: list[float] = []
         self.kv_usage: list[float] = []
         self.in_flight: list[int] = []
+        self.prefill_tokens: list[float] = []
+        self.prefill_requests: list[int] = []
         self.scraped_s: list[float] = []
         self.ready: list[bool] = []
         self.block_size_tokens: list[int] = []
@@ -144,6 +149,8 @@ class EndpointStore:
             for floats in (self.waiting, self.running, self.kv_usage, self.scraped_s):
                 floats.append(0.0)
             self.in_flight.append(0)
+            self.prefill_tokens.append(0.0)
+            self.prefill_requests.append(0)
             self.ready.append(False)
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
@@ -156,6 +163,8 @@ class EndpointStore:
         self.kv_usage[endpoint_id] = 0.0
         self.scraped_s[endpoint_id] = 0.0
         self.in_flight[endpoint_id] = 0
+        self.prefill_tokens[endpoint_id] = 0.0
+        self.prefill_requests[endpoint_id] = 0
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
         self.num_gpu_blocks[endpoint_id] = 0
@@ -208,6 +217,16 @@ class EndpointStore:
             self.num_gpu_blocks[endpoint_id] = num_gpu_blocks
         self.scraped_s[endpoint_id] = self._clock()
         self.set_ready(endpoint_id, True)
+
+    def add_prefill(self, endpoint_id: EndpointId, tokens: float) -> None:
+        """Count ``tokens`` of prefill work sent to an endpoint (one request)."""
+        self.prefill_tokens[endpoint_id] += tokens
+        self.prefill_requests[endpoint_id] += 1
+
+    def prefill_done(self, endpoint_id: EndpointId, tokens: float) -> None:
+        """That request's prefill finished (first response byte, or the request ended)."""
+        self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
+        self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
 
     def is_fresh(self, endpoint_id: EndpointId, staleness_s: float, now_s: float) -> bool:
         return now_s - self.scraped_s[endpoint_id] <= staleness_s

@@ -105,3 +105,17 @@ def test_predicted_latency_combines_cache_queue_and_hardware() -> None:
     assert ttft[2] == pytest.approx((1000 - 992) / (1000 * 0.122))
     out = scores(scorer, store, request)
     assert out[2] == 1.0 and out[1] == pytest.approx(ttft[2] / 1.0) and out[0] < out[1]
+
+
+def test_predicted_latency_counts_queued_tokens_not_requests() -> None:
+    store = make_store(2)
+    first, second = store.all()
+    store.add_prefill(first.id, 100_000)  # one huge prompt queued
+    for _ in range(10):
+        store.add_prefill(second.id, 500)  # ten small ones
+    store.waiting[first.id], store.waiting[second.id] = 1, 10
+    scorer = PredictedLatencyScorer("p", PredictedLatencyParams(), make_context(store))
+    out = scores(scorer, store, make_request("x" * 4000))
+    assert out[1] == 1.0 and out[0] < 0.1
+    store.prefill_done(first.id, 100_000)
+    assert store.prefill_tokens[first.id] == 0.0 and store.prefill_requests[first.id] == 0

@@ -224,3 +224,27 @@ def test_model_label_cardinality_is_capped() -> None:
         if line.startswith("kv_picker_requests_total{")
     }
     assert len(models) == 101 and "other" in models
+
+
+def test_prefill_work_is_counted_until_the_first_response_byte() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    out = run(stream, headers_message(), body_message(BODY))
+    target = director.store.by_address[destination(out[0])]
+    queued = director.store.prefill_tokens[target.id]
+    assert queued == pytest.approx(len(json.loads(BODY)["prompt"]) / 4)
+    assert director.store.prefill_requests[target.id] == 1
+    run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{", end_of_stream=False)))
+    assert director.store.prefill_tokens[target.id] == 0.0
+    assert director.store.prefill_requests[target.id] == 0
+    stream.close()
+    assert director.store.in_flight[target.id] == 0
+
+
+def test_prefill_work_released_when_the_stream_dies_first() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    run(stream, headers_message(), body_message(BODY))
+    stream.close()  # client went away before any response byte
+    assert sum(director.store.prefill_tokens) == 0.0
+    assert sum(director.store.prefill_requests) == 0
