@@ -93,7 +93,7 @@ def test_prefiller_header_set_and_client_value_replaced() -> None:
     assert "x-prefiller-host-port" not in mutation.remove_headers
     # The prompt's prefill work is queued on the prefill endpoint, not on the decode one.
     store = director.store
-    assert store.prefill_tokens[store.by_address["10.0.0.1:8000"].id] > 1000
+    assert store.prefill_tokens[store.by_address["10.0.0.1:8000"].id] == pytest.approx(2700 / 4)
     assert store.prefill_tokens[store.by_address[headers["x-gateway-destination-endpoint"]].id] == 0
 
 
