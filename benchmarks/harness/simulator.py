@@ -30,6 +30,11 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
 - P/D: when a policy's profile handler returns a ``prefill`` profile, the prompt runs on the
   prefill endpoint (one output token), then the decode endpoint admits the request, pulls the
   prompt KV it does not hold locally (``latency + bytes / bandwidth``) and decodes.
+- Queued prefill work: as the service's director does, each pick adds the request's uncached
+  prompt tokens (as the policy's prefix scorer saw them) to the store's ``prefill_tokens`` /
+  ``prefill_requests`` of the endpoint that runs the prefill (the prefill endpoint under P/D,
+  else the destination), and the client's first token (or the request's end without one)
+  takes them off again. Token-aware scorers read these arrays; the others never see them.
 
 Deterministic: no randomness besides the policy's own generator, seeded per run.
 """
@@ -55,7 +60,7 @@ from picker.config import PickerConfig, hardware_table
 from picker.errors import PickerError, SaturatedError
 from picker.scheduling.registry import Registry
 from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.signals import PROMPT_TOKENS
+from picker.scheduling.signals import PROMPT_TOKENS, uncached_prompt_tokens
 from picker.scheduling.types import BuildContext, LLMRequest
 from picker.state.endpoints import ROLE_LABEL, EndpointId, EndpointSpec, EndpointStore
 from picker.state.hardware import HARDWARE_CLASS_LABEL
@@ -500,6 +505,9 @@ class ClusterSimulator:
         self.num_events = 0
         self.outcomes: list[RequestOutcome] = []
         self._active = 0
+        # Trace index -> (endpoint running its prefill, uncached tokens counted there) until
+        # the client's first token: what the service's Director.begin_prefill/end_prefill keep.
+        self._prefill_pending: dict[int, tuple[int, float]] = {}
         self._timing = config.timing
 
     # ------------------------------------------------------------------------- plumbing
@@ -619,6 +627,8 @@ class ClusterSimulator:
                 raise AssertionError(f"endpoint {engine.id} still has work after the replay")
         if self._active:
             raise AssertionError(f"{self._active} requests never finished")
+        if self._prefill_pending:
+            raise AssertionError(f"{len(self._prefill_pending)} prefills never released")
         extra: dict[str, Any] = {}
         for plugin in self.scheduler.plugins.values():
             for counter in _PLUGIN_COUNTERS:
@@ -646,6 +656,11 @@ class ClusterSimulator:
                 raise AssertionError(f"endpoint {engine.id}: more than max_num_seqs running")
             if self.store.in_flight[engine.id] < 0:
                 raise AssertionError(f"endpoint {engine.id}: negative in-flight count")
+        pending_requests = [0] * len(self.engines)
+        for endpoint_id, _ in self._prefill_pending.values():
+            pending_requests[endpoint_id] += 1
+        if pending_requests != self.store.prefill_requests[: len(self.engines)]:
+            raise AssertionError("the store's queued prefills differ from the pending ones")
 
     # ------------------------------------------------------------------------- routing
 
@@ -706,6 +721,7 @@ class ClusterSimulator:
             return
         self.store.in_flight[decode_id] += 1
         self._active += 1
+        self._begin_prefill(request, outcome.index, prefill_id if prefill_id >= 0 else decode_id)
         self.engines[decode_index].stats.requests += 1
         if prefill_id >= 0:
             outcome.prefill_endpoint = prefill_id
@@ -733,6 +749,16 @@ class ClusterSimulator:
                 leg=0,
             )
             self._add(self.engines[decode_index], seq, now_s)
+
+    def _begin_prefill(self, request: LLMRequest, index: int, endpoint_id: int) -> None:
+        tokens = uncached_prompt_tokens(request, endpoint_id)
+        self.store.add_prefill(EndpointId(endpoint_id), tokens)
+        self._prefill_pending[index] = (endpoint_id, tokens)
+
+    def _end_prefill(self, index: int) -> None:
+        pending = self._prefill_pending.pop(index, None)
+        if pending is not None:
+            self.store.prefill_done(EndpointId(pending[0]), pending[1])
 
     def _reject_reason(self, request: TraceRequest, num_kv_tokens: int) -> str:
         config = self.config
@@ -923,6 +949,7 @@ class ClusterSimulator:
         if seq.leg == 1:
             return  # the prefill leg's token is not the client's
         seq.outcome.first_token_s = now_s
+        self._end_prefill(seq.outcome.index)
         if seq.request is not None:
             for observer in self.observers:
                 observer.on_first_token(seq.request, engine.id)
@@ -969,6 +996,7 @@ class ClusterSimulator:
         if self.store.in_flight[endpoint_id] > 0:
             self.store.in_flight[endpoint_id] -= 1
         self._active -= 1
+        self._end_prefill(outcome.index)  # a request that ended without a first token
         if seq.request is not None:
             for observer in self.observers:
                 observer.on_finished(seq.request, outcome.endpoint)

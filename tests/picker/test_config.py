@@ -230,3 +230,13 @@ def test_garbage_documents_give_config_errors_only(document: object) -> None:
         assert str(exc)
     else:
         assert isinstance(config, PickerConfig)
+
+
+def test_shipped_profiles_load() -> None:
+    profiles = sorted(
+        (Path(__file__).resolve().parents[2] / "benchmarks" / "profiles").glob("*.yaml")
+    )
+    assert profiles, "benchmarks/profiles/ holds the documented candidate profiles"
+    for path in profiles:
+        config = load_config(path, REGISTRY)
+        assert config.profiles, path

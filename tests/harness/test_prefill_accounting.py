@@ -1,0 +1,110 @@
+"""The simulator keeps the store's queued prefill work as the service's director does.
+
+Token-aware scorers (``predicted-latency-scorer``) read ``EndpointStore.prefill_tokens`` and
+``prefill_requests``; without the simulator's accounting they would see zeros and a replay
+would say nothing about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from benchmarks.harness.policies import Policy, harness_registry, pd_variant
+from benchmarks.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
+from picker.scheduling.types import LLMRequest
+from tests.harness.conftest import make_trace, small_cluster, small_trace
+
+TOKEN_AWARE = Policy(
+    "token-aware",
+    {
+        "plugins": [
+            {"type": "prefix-cache-scorer"},
+            {"type": "predicted-latency-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                    {"pluginRef": "predicted-latency-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
+)
+
+
+def _replay_recording(
+    simulator: ClusterSimulator,
+) -> tuple[SimulationResult, list[tuple[list[float], list[int]]]]:
+    """Run, keeping the store's queued prefills as each pick saw them."""
+    store = simulator.store
+    seen: list[tuple[list[float], list[int]]] = []
+    schedule = simulator.scheduler.schedule
+
+    def recording(request: LLMRequest, candidates: Any) -> Any:
+        seen.append((list(store.prefill_tokens), list(store.prefill_requests)))
+        return schedule(request, candidates)
+
+    simulator.scheduler.schedule = recording  # type: ignore[method-assign]
+    return simulator.run(), seen
+
+
+def _simulator(trace: Any, config: Any, policy: Policy) -> ClusterSimulator:
+    registry = harness_registry()
+    return ClusterSimulator(
+        trace, config, policy.config(registry), registry, policy.name, check_invariants=True
+    )
+
+
+def test_a_pick_sees_the_prefill_queued_ahead() -> None:
+    # One endpoint; the second request arrives while the first (nothing cached) is prefilling.
+    trace = make_trace([(0.0, 4000, 4, list(range(1, 251))), (0.01, 64, 4, [900, 901, 902, 903])])
+    simulator = _simulator(trace, small_cluster(1, num_gpu_blocks=1000), TOKEN_AWARE)
+    result, seen = _replay_recording(simulator)
+    assert [o.status for o in result.outcomes] == [OK, OK]
+    assert seen[0] == ([0.0], [0])
+    assert seen[1] == ([4000.0], [1])
+    assert simulator.store.prefill_tokens == [0.0]
+    assert simulator.store.prefill_requests == [0]
+
+
+def test_queued_prefills_rise_during_a_replay_and_return_to_zero() -> None:
+    simulator = _simulator(small_trace(120, rate=40.0), small_cluster(4), TOKEN_AWARE)
+    result, seen = _replay_recording(simulator)
+    assert all(o.status == OK for o in result.outcomes)
+    assert max(sum(tokens) for tokens, _ in seen) > 0
+    assert max(sum(requests) for _, requests in seen) > 1
+    assert simulator.store.prefill_tokens == [0.0] * 4
+    assert simulator.store.prefill_requests == [0] * 4
+
+
+def test_a_rejected_request_releases_its_prefill() -> None:
+    # The second request needs more KV blocks than the endpoint holds: refused at admission.
+    trace = make_trace(
+        [(0.0, 64, 4, [1, 2, 3, 4]), (0.1, 6000, 4, list(range(10, 385))), (0.2, 64, 4, [1])]
+    )
+    config = small_cluster(1, num_gpu_blocks=100)
+    simulator = _simulator(trace, config, TOKEN_AWARE)
+    result, seen = _replay_recording(simulator)
+    assert result.outcomes[1].status != OK
+    assert seen[2][1] == [0]  # nothing of the refused request left queued
+    assert simulator.store.prefill_requests == [0]
+
+
+def test_under_pd_the_prefill_endpoint_carries_the_work() -> None:
+    trace = make_trace(
+        [(0.0, 4000, 4, list(range(1, 251))), (0.01, 4000, 4, list(range(1001, 1251)))]
+    )
+    config = replace(
+        small_cluster(2, num_gpu_blocks=1000),
+        endpoints=(EndpointSetup("prefill"), EndpointSetup("decode")),
+    )
+    simulator = _simulator(trace, config, pd_variant(TOKEN_AWARE))
+    result, seen = _replay_recording(simulator)
+    assert [o.prefill_endpoint for o in result.outcomes] == [0, 0]
+    assert seen[1] == ([4000.0, 0.0], [1, 0])
+    assert simulator.store.prefill_requests == [0, 0]
