@@ -83,6 +83,7 @@ class RequestStream:
         self.request_body_mode: int | None = None
         self.response_body_mode: int | None = None
         self.headers: dict[str, str] = {}
+        self.headers_seen = False
         self.body_chunks: list[bytes] = []
         self.body_size_bytes = 0
         self.metadata: dict[str, Any] | None = None
@@ -142,6 +143,10 @@ class RequestStream:
     # -- request direction ----------------------------------------------------------------
 
     def _request_headers(self, message: pb.HttpHeaders) -> Iterator[pb.ProcessingResponse]:
+        if self.headers_seen:
+            # One stream is one HTTP request: Envoy never sends its headers twice.
+            raise InternalError("ext_proc protocol error: request headers received twice")
+        self.headers_seen = True
         for header in message.headers.headers:
             value = (
                 header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
@@ -164,6 +169,8 @@ class RequestStream:
         yield self._headers_pick(endpoint, content_length=None)
 
     def _request_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
+        if not self.headers_seen:
+            raise InternalError("ext_proc protocol error: request body before its headers")
         if self.endpoint is not None:  # streamed mode: already routed, let the body through
             yield responses.CONTINUE_BODY_REQUEST
             return
@@ -335,12 +342,11 @@ class RequestStream:
             self._prefill = None
 
     def _finish(self) -> None:
-        if self.finished:
+        self._end_prefill()
+        # Only a routed request has anything to release; release it exactly once.
+        if self.finished or self.endpoint is None:
             return
         self.finished = True
-        self._end_prefill()
-        if self.endpoint is None:
-            return
         self.director.finish(self.endpoint)
         metrics = self.metrics
         metrics.running.dec()

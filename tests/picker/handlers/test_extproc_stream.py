@@ -7,6 +7,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from picker.handlers.extproc import RequestStream
 from picker.wire import BODY_CHUNK_LIMIT_BYTES
@@ -247,4 +249,42 @@ def test_prefill_work_released_when_the_stream_dies_first() -> None:
     run(stream, headers_message(), body_message(BODY))
     stream.close()  # client went away before any response byte
     assert sum(director.store.prefill_tokens) == 0.0
+    assert sum(director.store.prefill_requests) == 0
+
+
+_MESSAGES = st.one_of(
+    st.builds(
+        lambda eos, mode: headers_message(end_of_stream=eos, mode=mode),
+        st.booleans(),
+        st.sampled_from([Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED, Mode.STREAMED, Mode.NONE]),
+    ),
+    st.builds(body_message, st.one_of(st.binary(max_size=64), st.just(BODY)), st.booleans()),
+    st.just(pb.ProcessingRequest(request_trailers=pb.HttpTrailers())),
+    st.just(pb.ProcessingRequest(response_headers=pb.HttpHeaders())),
+    st.builds(
+        lambda body, eos: pb.ProcessingRequest(
+            response_body=pb.HttpBody(body=body, end_of_stream=eos)
+        ),
+        st.binary(max_size=64),
+        st.booleans(),
+    ),
+    st.just(pb.ProcessingRequest(response_trailers=pb.HttpTrailers())),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_MESSAGES, max_size=8))
+def test_any_message_sequence_answers_without_raising_and_releases(
+    messages: list[pb.ProcessingRequest],
+) -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    for message in messages:
+        for response in stream.handle(message):
+            assert isinstance(response, pb.ProcessingResponse)
+            assert response.WhichOneof("response") is not None
+        if stream.closed:
+            break
+    stream.close()
+    assert sum(director.store.in_flight) == 0
     assert sum(director.store.prefill_requests) == 0
