@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.client import Outcome, percentile, replay
 from benchmarks.workloads import WorkloadRequest, long_prompt_requests
@@ -71,6 +72,28 @@ def _summarise(
     )
 
 
+TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
+
+
+def precise_profile() -> dict[str, object]:
+    """The default profile with the prefix scorer in precise mode (KV events, a tokenizer)."""
+    return {
+        "plugins": [
+            {"type": "prefix-cache-scorer",
+             "parameters": {"mode": "precise", "tokenizer": str(TOKENIZER)}},
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "active-request-scorer"},
+        ],
+        "schedulingProfiles": [{"name": "default", "plugins": [
+            {"pluginRef": "prefix-cache-scorer", "weight": 3},
+            {"pluginRef": "queue-scorer"},
+            {"pluginRef": "kv-cache-utilization-scorer"},
+            {"pluginRef": "active-request-scorer"},
+        ]}],
+    }  # fmt: skip
+
+
 def run(
     endpoints: int,
     prompt_tokens: int,
@@ -78,9 +101,16 @@ def run(
     connections: Sequence[int],
     rounds: int,
     out_dir: Path | None,
+    mode: str = "approximate",
 ) -> list[dict[str, object]]:
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
-    with LocalStack(sims=endpoints, time_scale=0.0001) as stack:
+    precise = mode == "precise"
+    stack_options: dict[str, Any] = (
+        {"picker_config": precise_profile(), "kv_events": True, "tokenizer": TOKENIZER}
+        if precise
+        else {}
+    )
+    with LocalStack(sims=endpoints, time_scale=0.0001, **stack_options) as stack:
         _, direct_port = _direct_envoy(stack)
         direct_url = f"http://127.0.0.1:{direct_port}"
         addresses = stack.sim_addresses
@@ -165,6 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connections", default="1,16", help="comma list of client connection counts (1,16)"
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
+    parser.add_argument(
+        "--mode",
+        choices=("approximate", "precise"),
+        default="approximate",
+        help="prefix scorer of the picker's default profile: approximate (the built-in "
+        "default) or precise (KV events from the endpoints, the shipped tokenizer)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
     try:
@@ -174,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not connections or min(connections) < 1 or args.requests < 1 or args.endpoints < 1:
         parser.error("--connections, --requests and --endpoints must be positive")
     rows = run(
-        args.endpoints, args.prompt_tokens, args.requests, connections, args.rounds, args.out
+        args.endpoints,
+        args.prompt_tokens,
+        args.requests,
+        connections,
+        args.rounds,
+        args.out,
+        args.mode,
     )
     print()
     print(format_rows(rows))

@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 
 from picker.localstack import ManagedProcess, free_port, http_get
@@ -109,8 +110,11 @@ def test_demo_prints_the_table_and_leaves_no_process() -> None:
     assert processes_with_marker(marker) == []
 
 
-def test_overhead_benchmark_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["approximate", "precise"])
+def test_overhead_benchmark_smoke(tmp_path: Path, mode: str) -> None:
     result = kv_picker(
+        "--log-level",
+        "warning",
         "bench",
         "overhead",
         "--endpoints",
@@ -123,6 +127,8 @@ def test_overhead_benchmark_smoke(tmp_path: Path) -> None:
         "1",
         "--prompt-tokens",
         "200",
+        "--mode",
+        mode,
         "--out",
         str(tmp_path),
         timeout_s=120,
