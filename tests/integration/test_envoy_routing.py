@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections import Counter
 
 from benchmarks.client import replay
@@ -152,3 +153,14 @@ def test_endpoint_that_dies_stops_receiving_traffic() -> None:
             reply = post(local.url + "/v1/completions", completion(f"after {i} " * 20))
             assert reply.status == 200
             assert reply.headers["x-kv-picker-sim-endpoint"] != victim_address
+
+
+def test_picker_down_gives_a_prompt_error_not_a_hang() -> None:
+    with LocalStack(sims=1, time_scale=0.02) as local:
+        assert local.picker is not None
+        local.picker.stop()
+        started = time.monotonic()
+        reply = post(local.url + "/v1/completions", completion("anyone there?"), timeout_s=30)
+        # failure_mode_allow is off (the reference config): Envoy answers with a 5xx at once.
+        assert 500 <= reply.status < 600
+        assert time.monotonic() - started < 15
