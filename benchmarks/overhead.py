@@ -102,6 +102,7 @@ def run(
     rounds: int,
     out_dir: Path | None,
     mode: str = "approximate",
+    event_loop: str = "asyncio",
 ) -> list[dict[str, object]]:
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
     precise = mode == "precise"
@@ -110,7 +111,10 @@ def run(
         if precise
         else {}
     )
-    with LocalStack(sims=endpoints, time_scale=0.0001, **stack_options) as stack:
+    picker_args = ("--event-loop", event_loop)
+    with LocalStack(
+        sims=endpoints, time_scale=0.0001, picker_args=picker_args, **stack_options
+    ) as stack:
         _, direct_port = _direct_envoy(stack)
         direct_url = f"http://127.0.0.1:{direct_port}"
         addresses = stack.sim_addresses
@@ -202,6 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="prefix scorer of the picker's default profile: approximate (the built-in "
         "default) or precise (KV events from the endpoints, the shipped tokenizer)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the picker's event loop (kv-picker serve --event-loop; default asyncio)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
     try:
@@ -218,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds,
         args.out,
         args.mode,
+        args.event_loop,
     )
     print()
     print(format_rows(rows))

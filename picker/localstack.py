@@ -312,6 +312,7 @@ class LocalStack:
         extra_endpoints: Sequence[str] = (),
         sim_args: Sequence[str] = (),
         start_envoy: bool = True,
+        picker_args: Sequence[str] = (),
         kv_events: bool = False,
         kv_events_encoding: str = "array",
         tokenizer: str | Path | None = None,
@@ -324,6 +325,7 @@ class LocalStack:
         self.extra_endpoints = list(extra_endpoints)
         self.sim_args = list(sim_args)
         self.start_envoy = start_envoy
+        self.picker_args = list(picker_args)
         self.kv_events = kv_events
         self.kv_events_encoding = kv_events_encoding
         self.tokenizer = str(tokenizer) if tokenizer is not None else None
@@ -461,7 +463,7 @@ class LocalStack:
             self.picker.stop()
             self.processes.remove(self.picker)
         path = self.write_picker_config(picker_config)
-        argv = [sys.executable, "-m", "picker", "serve", "--config", str(path)]
+        argv = [sys.executable, "-m", "picker", "serve", *self.picker_args, "--config", str(path)]
         self.picker = ManagedProcess("kv-picker", argv, self.workdir / "picker.log")
         self.processes.append(self.picker)
         wanted = len(self.sim_addresses) if min_ready is None else min_ready

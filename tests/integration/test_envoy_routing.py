@@ -164,3 +164,15 @@ def test_picker_down_gives_a_prompt_error_not_a_hang() -> None:
         # failure_mode_allow is off (the reference config): Envoy answers with a 5xx at once.
         assert 500 <= reply.status < 600
         assert time.monotonic() - started < 15
+
+
+def test_picker_on_uvloop_routes_through_envoy() -> None:
+    with LocalStack(sims=2, time_scale=0.02, picker_args=("--event-loop", "uvloop")) as local:
+        rng = random.Random(9)
+        requests = [
+            WorkloadRequest("/v1/completions", completion(words(rng, 100), stream=bool(i % 2)))
+            for i in range(20)
+        ]
+        outcomes = asyncio.run(replay(local.url, requests, concurrency=4, timeout_s=60))
+        assert [o.error for o in outcomes if not o.ok] == []
+        assert {o.served_by for o in outcomes} <= set(local.sim_addresses)

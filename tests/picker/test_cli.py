@@ -140,7 +140,8 @@ def test_overhead_benchmark_smoke(tmp_path: Path, mode: str) -> None:
     assert all(row["picker"]["p50_ms"] > 0 for row in rows)
 
 
-def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path, event_loop: str) -> None:
     config = tmp_path / "picker.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -151,7 +152,16 @@ def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path) -> None:
         )
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "picker", "serve", "--config", str(config)],
+        [
+            sys.executable,
+            "-m",
+            "picker",
+            "serve",
+            "--event-loop",
+            event_loop,
+            "--config",
+            str(config),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
