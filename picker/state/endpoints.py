@@ -228,9 +228,6 @@ class EndpointStore:
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
 
-    def is_fresh(self, endpoint_id: EndpointId, staleness_s: float, now_s: float) -> bool:
-        return now_s - self.scraped_s[endpoint_id] <= staleness_s
-
     def get(self, endpoint_id: EndpointId) -> Endpoint | None:
         return self.endpoints[endpoint_id]
 
