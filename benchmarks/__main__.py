@@ -6,14 +6,14 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS = {
-    "overhead": "benchmarks.overhead",
-    "pd": "benchmarks.pd_bench",
-    "kv-index": "benchmarks.kv_index_bench",
-    "precise-vs-approx": "benchmarks.precise_vs_approx",
-    "replay": "benchmarks.harness.replay",
-    "sweep": "benchmarks.harness.sweep",
-    "live": "benchmarks.harness.live",
-    "peers": "benchmarks.harness.peers",
+    "overhead": "kv_picker_bench.overhead",
+    "pd": "kv_picker_bench.pd_bench",
+    "kv-index": "kv_picker_bench.kv_index_bench",
+    "precise-vs-approx": "kv_picker_bench.precise_vs_approx",
+    "replay": "kv_picker_bench.harness.replay",
+    "sweep": "kv_picker_bench.harness.sweep",
+    "live": "kv_picker_bench.harness.live",
+    "peers": "kv_picker_bench.harness.peers",
 }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from benchmarks.workloads import WorkloadRequest
+from kv_picker_bench.workloads import WorkloadRequest
 
 SERVED_BY_HEADER = "x-kv-picker-sim-endpoint"
 

@@ -10,15 +10,17 @@ caches are reset between runs, and hit ratios come from the endpoints' own count
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from benchmarks.client import Outcome, percentile, replay
-from benchmarks.workloads import SharedPrefixWorkload
-from picker.localstack import LocalStack
+from kv_picker_bench.client import Outcome, percentile, replay
+from kv_picker_bench.localstack import LocalStack
+from kv_picker_bench.workloads import SharedPrefixWorkload
 
 RANDOM_PROFILE = {
     "plugins": [{"type": "random-picker"}],
@@ -131,3 +133,17 @@ def run_demo(
         file=out,
     )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kv-picker demo``: the flags, then :func:`run_demo`."""
+    parser = argparse.ArgumentParser(
+        prog="kv-picker demo",
+        description="Local stack: Envoy + kv-picker + 4 simulated endpoints; replay a "
+        "shared-prefix workload under a random picker and the default profile, print a table.",
+    )
+    parser.add_argument("--requests", type=int, default=160, help="requests per profile (160)")
+    parser.add_argument("--concurrency", type=int, default=8, help="client connections (8)")
+    parser.add_argument("--seed", type=int, default=7, help="workload seed (7)")
+    args = parser.parse_args(None if argv is None else list(argv))
+    return run_demo(requests=args.requests, concurrency=args.concurrency, seed=args.seed)

@@ -13,7 +13,8 @@ Four measurements, all in one run so the ratios compare like with like:
    in-process index (chains shared by many endpoints, and all-distinct blocks), and from
    ``INFO memory`` for Redis.
 4. In-process vs Redis: the same lookups through the Redis backend (one ``EVALSHA`` each),
-   against a redis-server this benchmark starts on 127.0.0.1 and stops.
+   against a Redis/Valkey server this benchmark starts on 127.0.0.1 and stops
+   (:mod:`kv_picker_bench.valkey`).
 
 ``python -m benchmarks kv-index [--quick] [--out DIR]``.
 """
@@ -26,9 +27,6 @@ import contextlib
 import gc
 import json
 import random
-import shutil
-import socket
-import subprocess
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -38,12 +36,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from benchmarks.sim.events import encode_batch, encode_removed, encode_stored
-from picker.metrics import PickerMetrics
-from picker.sources.kv_events import KVEventSubscriber, PublisherAddress, SubscriberSettings
-from picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
-from picker.state.kv_index import EventKeys, KVBlockIndex
-from picker.state.redis_index import RedisKVIndex
+from kv_picker.metrics import PickerMetrics
+from kv_picker.sources.kv_events import KVEventSubscriber, PublisherAddress, SubscriberSettings
+from kv_picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker_bench.sim.events import encode_batch, encode_removed, encode_stored
+from kv_picker_bench.valkey import ValkeyServer
 
 BLOCK = 16
 
@@ -268,55 +267,6 @@ async def redis_memory_per_block(url: str, endpoints: int, blocks_per_endpoint: 
         admin.flushall()
 
 
-# -- redis-server ---------------------------------------------------------------------------------
-
-
-class _RedisServer:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            raise FileNotFoundError("no redis-server or valkey-server on PATH")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port).ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
-
-
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -346,7 +296,7 @@ def run(quick: bool, with_redis: bool = True) -> dict[str, Any]:
     server = None
     if with_redis:
         try:
-            server = _RedisServer()
+            server = ValkeyServer()
         except (FileNotFoundError, OSError) as exc:
             result["redis_skipped"] = str(exc)
     if server is not None:
@@ -360,7 +310,7 @@ def run(quick: bool, with_redis: bool = True) -> dict[str, Any]:
                 redis_memory_per_block(server.url, 16, 2_000 if quick else 20_000)
             )
         finally:
-            server.stop()
+            server.close()
     return result
 
 

@@ -24,15 +24,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.client import Outcome, percentile, replay
-from benchmarks.workloads import WorkloadRequest, long_prompt_requests
-from picker.localstack import (
+from kv_picker.wire import DESTINATION_HEADER
+from kv_picker_bench.client import Outcome, percentile, replay
+from kv_picker_bench.localstack import (
     LocalStack,
     ManagedProcess,
     envoy_bootstrap,
     free_port,
 )
-from picker.wire import DESTINATION_HEADER
+from kv_picker_bench.workloads import WorkloadRequest, long_prompt_requests
 
 
 @dataclass

@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.client import percentile
-from benchmarks.workloads import words
-from picker.localstack import LocalStack, SimSpec
+from kv_picker_bench.client import percentile
+from kv_picker_bench.localstack import LocalStack, SimSpec
+from kv_picker_bench.workloads import words
 
 CLASS_LABEL = "kv-picker.io/hardware-class"
 ROLE_LABEL = "llm-d.ai/role"

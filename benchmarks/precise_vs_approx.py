@@ -35,9 +35,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.client import Outcome, replay
-from benchmarks.workloads import WorkloadRequest, words
-from picker.localstack import LocalStack, http_get
+from kv_picker_bench.client import Outcome, replay
+from kv_picker_bench.localstack import LocalStack, http_get
+from kv_picker_bench.workloads import WorkloadRequest, words
 
 TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
 POLICIES = ("approximate", "precise")

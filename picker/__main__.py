@@ -1,7 +1,7 @@
-"""Allow ``python -m picker``."""
+"""Allow ``python -m kv_picker``."""
 
 import sys
 
-from picker.cli import main
+from kv_picker.cli import main
 
 sys.exit(main())

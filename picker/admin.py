@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from picker.api import admin_pb2, admin_pb2_grpc
-from picker.director import Director
-from picker.errors import PickerError
-from picker.scheduling.types import LLMRequest, SchedulingResult
+from kv_picker.api import admin_pb2, admin_pb2_grpc
+from kv_picker.director import Director
+from kv_picker.errors import PickerError
+from kv_picker.scheduling.types import LLMRequest, SchedulingResult
 
 # The one table from picker errors to gRPC status codes for the admin API.
 _STATUS_BY_HTTP = {

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from picker.errors import BadRequestError, SaturatedError
-from picker.scheduling.types import LLMRequest
-from picker.state.endpoints import Endpoint, EndpointStore
-from picker.wire import OBJECTIVE_HEADERS
+from kv_picker.errors import BadRequestError, SaturatedError
+from kv_picker.scheduling.types import LLMRequest
+from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.wire import OBJECTIVE_HEADERS
 
 
 @dataclass(frozen=True)

@@ -28,21 +28,21 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from picker.admin import add_admin_service
-from picker.config import PickerConfig, hardware_table, load_config
-from picker.director import Director
-from picker.errors import ConfigError
-from picker.handlers.extproc import ExternalProcessor
-from picker.metrics import PickerMetrics
-from picker.scheduling.registry import Registry, builtin_registry
-from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.types import BuildContext
-from picker.sources.kv_events import build_kv_index, build_subscriber
-from picker.sources.scraper import MetricsScraper
-from picker.state.endpoints import EndpointStore
-from picker.state.redis_index import RedisKVIndex
-from picker.wire import HEALTH_SERVICES
-from scorers.prefix_cache import PrefixCacheScorer
+from kv_picker.admin import add_admin_service
+from kv_picker.config import PickerConfig, hardware_table, load_config
+from kv_picker.director import Director
+from kv_picker.errors import ConfigError
+from kv_picker.handlers.extproc import ExternalProcessor
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.registry import Registry, builtin_registry
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.scheduling.types import BuildContext
+from kv_picker.scorers.prefix_cache import PrefixCacheScorer
+from kv_picker.sources.kv_events import build_kv_index, build_subscriber
+from kv_picker.sources.scraper import MetricsScraper
+from kv_picker.state.endpoints import EndpointStore
+from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker.wire import HEALTH_SERVICES
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,10 @@
-"""Command line: ``kv-picker serve | demo | sim-endpoint | explain | bench``.
+"""Command line: ``kv-picker serve | explain`` and the commands other packages add.
+
+The service's own commands are ``serve`` and ``explain``. Other installed packages may add
+commands through the ``kv_picker.commands`` entry-point group: each entry point names an object
+with a ``help`` string that is called with the arguments after the command's name and returns
+the exit code. The benchmark package (``kv-picker[bench]``) adds ``demo``, ``sim-endpoint`` and
+``bench`` that way, so the service never imports it.
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or invalid config.
 """
@@ -11,13 +17,33 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
+from typing import Protocol
 
-from picker.errors import ConfigError, PickerError
+from kv_picker.errors import ConfigError, PickerError
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+
+COMMANDS_GROUP = "kv_picker.commands"
+
+
+class ExtensionCommand(Protocol):
+    """A command another package adds to ``kv-picker`` (see the module docstring)."""
+
+    help: str
+
+    def __call__(self, argv: Sequence[str]) -> int: ...
+
+
+def extension_commands() -> dict[str, EntryPoint]:
+    """Installed extension commands by name (the service's own names cannot be taken)."""
+    found = {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+    for own in ("serve", "explain"):
+        found.pop(own, None)
+    return found
 
 
 def _setup_logging(level: str) -> None:
@@ -28,15 +54,15 @@ def _setup_logging(level: str) -> None:
 
 
 def _load(path: str | None):  # type: ignore[no-untyped-def]
-    from picker.config import PickerConfig, load_config
-    from picker.scheduling.registry import builtin_registry
+    from kv_picker.config import PickerConfig, load_config
+    from kv_picker.scheduling.registry import builtin_registry
 
     registry = builtin_registry()
     return (load_config(path, registry) if path else PickerConfig()), registry
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from picker.app import serve
+    from kv_picker.app import serve
 
     config, _ = _load(args.config)
     if args.event_loop == "uvloop":
@@ -58,8 +84,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     """
     from google.protobuf import json_format
 
-    from picker.admin import dry_run
-    from picker.api import admin_pb2
+    from kv_picker.admin import dry_run
+    from kv_picker.api import admin_pb2
 
     try:
         body = Path(args.request).read_bytes()
@@ -70,7 +96,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.server:
         import grpc
 
-        from picker.api import admin_pb2_grpc
+        from kv_picker.api import admin_pb2_grpc
 
         async def ask() -> admin_pb2.ExplainResponse:
             async with grpc.aio.insecure_channel(args.server) as channel:
@@ -88,7 +114,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         if not args.config:
             raise ConfigError("explain needs --config FILE or --server HOST:PORT")
-        from picker.app import PickerApp
+        from kv_picker.app import PickerApp
 
         config, registry = _load(args.config)
         app = PickerApp(config, registry)
@@ -116,25 +142,28 @@ def _parse_header(text: str) -> tuple[str, str]:
     return name.strip().lower(), value.strip()
 
 
-def cmd_sim_endpoint(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from benchmarks.sim.server import main as sim_main
-
-    return sim_main(list(rest))
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from benchmarks.demo import run_demo
-
-    return run_demo(requests=args.requests, concurrency=args.concurrency, seed=args.seed)
-
-
-def cmd_bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from benchmarks.__main__ import main as bench_main
-
-    return bench_main(list(rest))
+def cmd_extension(entry_point: EntryPoint, rest: Sequence[str]) -> int:
+    """Run an extension command; a package that cannot be imported is a usage error."""
+    try:
+        command: ExtensionCommand = entry_point.load()
+    except ImportError as exc:
+        print(
+            f"kv-picker {entry_point.name}: cannot load {entry_point.value} ({exc}); "
+            "install the package that provides it (the benchmark commands: kv-picker[bench])",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    return command(rest)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _extension_help(entry_point: EntryPoint) -> str:
+    try:
+        return str(getattr(entry_point.load(), "help", ""))
+    except ImportError:
+        return f"(not available: {entry_point.value} cannot be imported)"
+
+
+def build_parser(extensions: dict[str, EntryPoint] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kv-picker",
         description="KV-cache-aware endpoint picker for LLM inference (Envoy ext_proc).",
@@ -143,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", help="debug, info, warning or error (default: info)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    extensions = extension_commands() if extensions is None else extensions
 
     serve = sub.add_parser("serve", help="run the ext_proc service")
     serve.add_argument(
@@ -157,15 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="EndpointPickerConfig YAML (reloaded when it changes); "
         "without it, the built-in default with no endpoints",
     )
-
-    demo = sub.add_parser(
-        "demo",
-        help="local stack: Envoy + kv-picker + 4 simulated endpoints, "
-        "replay a shared-prefix workload under two profiles, print a table",
-    )
-    demo.add_argument("--requests", type=int, default=160, help="requests per profile (160)")
-    demo.add_argument("--concurrency", type=int, default=8, help="client connections (8)")
-    demo.add_argument("--seed", type=int, default=7, help="workload seed (7)")
 
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
     explain.add_argument("--config", help="EndpointPickerConfig YAML (offline explain)")
@@ -191,26 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="request header 'name: value' (repeatable), e.g. a session token or objective",
     )
 
-    sub.add_parser(
-        "sim-endpoint",
-        add_help=False,
-        help="run one simulated vLLM endpoint (see sim-endpoint --help)",
-    )
-    sub.add_parser("bench", add_help=False, help="benchmarks (see bench --help)")
+    for name, entry_point in extensions.items():
+        help_text = _extension_help(entry_point)
+        sub.add_parser(name, add_help=False, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    # sim-endpoint and bench own their flags: hand the rest over untouched.
-    for passthrough in ("sim-endpoint", "bench"):
-        if passthrough in argv:
-            position = argv.index(passthrough)
+    extensions = extension_commands()
+    parser = build_parser(extensions)
+    # Extension commands own their flags: hand everything after the name over untouched.
+    for position, word in enumerate(argv):
+        if word in extensions:
             args = parser.parse_args(argv[: position + 1])
             _setup_logging(args.log_level)
-            rest = argv[position + 1 :]
-            return (cmd_sim_endpoint if passthrough == "sim-endpoint" else cmd_bench)(args, rest)
+            return cmd_extension(extensions[word], argv[position + 1 :])
+        if not word.startswith("-") and (position == 0 or argv[position - 1] != "--log-level"):
+            break  # the first positional word is the command
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:
@@ -218,8 +237,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "explain":
             return cmd_explain(args)
-        if args.command == "demo":
-            return cmd_demo(args)
     except ConfigError as exc:
         print(f"kv-picker: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -46,11 +46,11 @@ from typing import Any
 
 import yaml
 
-from picker.admission import AdmissionConfig
-from picker.errors import ConfigError
-from picker.scheduling.registry import Registry
-from picker.state.endpoints import EndpointSpec, split_address
-from picker.state.hardware import (
+from kv_picker.admission import AdmissionConfig
+from kv_picker.errors import ConfigError
+from kv_picker.scheduling.registry import Registry
+from kv_picker.state.endpoints import EndpointSpec, split_address
+from kv_picker.state.hardware import (
     BUILTIN_HARDWARE_CLASSES,
     DEFAULT_CLASS,
     HardwareClass,
@@ -732,7 +732,7 @@ def _parse_kv_events(raw: Any) -> KVEventsConfig | None:
 
 
 def _parse_index(raw: Any) -> IndexConfig:
-    from picker.state.block_keys import HASH_ALGOS
+    from kv_picker.state.block_keys import HASH_ALGOS
 
     reader = _Reader(
         raw,

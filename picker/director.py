@@ -11,16 +11,16 @@ import random
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
-from picker.admission import Admission
-from picker.config import PickerConfig
-from picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
-from picker.handlers.body import parse_request
-from picker.metrics import PickerMetrics
-from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.signals import uncached_prompt_tokens
-from picker.scheduling.types import LLMRequest, Prepare, SchedulingResult
-from picker.state.endpoints import Endpoint, EndpointStore
-from picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
+from kv_picker.admission import Admission
+from kv_picker.config import PickerConfig
+from kv_picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
+from kv_picker.handlers.body import parse_request
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.scheduling.signals import uncached_prompt_tokens
+from kv_picker.scheduling.types import LLMRequest, Prepare, SchedulingResult
+from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
 

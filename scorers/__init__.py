@@ -3,15 +3,15 @@
 The built-in table is explicit: a scorer is available by its type name only if it is listed here.
 """
 
-from scorers.active_request import ActiveRequestScorer
-from scorers.hardware_class import HardwareClassScorer
-from scorers.kv_cache_utilization import KVCacheUtilizationScorer
-from scorers.load_aware import LoadAwareScorer
-from scorers.lora_affinity import LoraAffinityScorer
-from scorers.predicted_latency import PredictedLatencyScorer
-from scorers.prefix_cache import PrefixCacheScorer
-from scorers.queue import QueueScorer
-from scorers.session_affinity import SessionAffinityScorer
+from kv_picker.scorers.active_request import ActiveRequestScorer
+from kv_picker.scorers.hardware_class import HardwareClassScorer
+from kv_picker.scorers.kv_cache_utilization import KVCacheUtilizationScorer
+from kv_picker.scorers.load_aware import LoadAwareScorer
+from kv_picker.scorers.lora_affinity import LoraAffinityScorer
+from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
+from kv_picker.scorers.prefix_cache import PrefixCacheScorer
+from kv_picker.scorers.queue import QueueScorer
+from kv_picker.scorers.session_affinity import SessionAffinityScorer
 
 BUILTIN_SCORERS = (
     PrefixCacheScorer,

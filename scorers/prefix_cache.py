@@ -9,14 +9,14 @@ blocks. A prompt shorter than one block scores 0 everywhere.
 Modes:
 - ``approximate`` (default): no tokenizer, no events. The prompt's bytes are cut into
   ``blockSizeChars`` blocks with chained xxhash keys seeded by model, LoRA adapter and
-  ``cache_salt`` (see :mod:`picker.state.hashing`). After each pick the chosen endpoint (and the
+  ``cache_salt`` (see :mod:`kv_picker.state.hashing`). After each pick the chosen endpoint (and the
   endpoint of a profile named ``prefill``, when one ran) is recorded as holding those blocks,
   each endpoint remembering its ``lruCapacityPerServer`` most recent keys.
-- ``precise``: from the endpoints' own KV events (:mod:`picker.sources.kv_events`) in the
+- ``precise``: from the endpoints' own KV events (:mod:`kv_picker.sources.kv_events`) in the
   precise index (``index:`` section; in-process or Redis). The prompt is tokenized like the
   model server does (the model's ``tokenizer.json``, its chat template for chat requests, or
   the token ids a completion sent), cut into the index's ``blockSizeTokens`` blocks and keyed
-  by model, LoRA adapter and ``cache_salt`` (:mod:`picker.state.block_keys`); an endpoint's
+  by model, LoRA adapter and ``cache_salt`` (:mod:`kv_picker.state.block_keys`); an endpoint's
   score is the run of leading blocks it really holds. A pick counts as holding the request's
   blocks for ``speculativeTtlSeconds`` only, until the endpoint's own ``BlockStored`` events
   (sent when its prefill has run) say so: requests for the same prefix arriving meanwhile
@@ -29,8 +29,8 @@ Modes:
   or an unavailable backend, means no cache signal (all scores 0), never a failed request.
 
 Both modes publish, for other plugins, each endpoint's matched blocks
-(:data:`picker.scheduling.signals.PREFIX_MATCH`); precise mode also the exact prompt length
-(:data:`picker.scheduling.signals.PROMPT_TOKENS`).
+(:data:`kv_picker.scheduling.signals.PREFIX_MATCH`); precise mode also the exact prompt length
+(:data:`kv_picker.scheduling.signals.PROMPT_TOKENS`).
 
 Parameters (defaults):
 - ``mode``: ``approximate``
@@ -51,19 +51,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from picker.scheduling.signals import (
+from kv_picker.scheduling.signals import (
     DEFAULT_CHARS_PER_TOKEN,
     PREFIX_MATCH,
     PROMPT_TOKENS,
     PrefixMatch,
 )
-from picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
-from picker.state.approx_index import ApproximatePrefixIndex
-from picker.state.endpoints import Endpoint, EndpointStore
-from picker.state.hashing import char_block_keys, request_seed
-from picker.state.kv_index import EventKeys, KVBlockIndex, SpeculativeHolders, longest_runs
-from picker.state.redis_index import RedisKVIndex
-from picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
+from kv_picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
+from kv_picker.state.approx_index import ApproximatePrefixIndex
+from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex, SpeculativeHolders, longest_runs
+from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
 
 log = logging.getLogger(__name__)
 

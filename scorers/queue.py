@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from picker.scheduling.types import BuildContext, LLMRequest
-from picker.state.endpoints import Endpoint
-from scorers._minmax import write_min_max_inverse
+from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.scorers._minmax import write_min_max_inverse
+from kv_picker.state.endpoints import Endpoint
 
 _STALE_LOAD = float("inf")
 

@@ -6,13 +6,13 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from picker.config import PickerConfig, parse_config
-from picker.director import Director
-from picker.metrics import PickerMetrics
-from picker.scheduling.registry import builtin_registry
-from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.types import BuildContext, LLMRequest
-from picker.state.endpoints import EndpointSpec, EndpointStore
+from kv_picker.config import PickerConfig, parse_config
+from kv_picker.director import Director
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.state.endpoints import EndpointSpec, EndpointStore
 
 
 class ManualClock:

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["picker", "scorers", "benchmarks", "tests"]
+SOURCES = ["picker", "scorers", "benchmarks", "tests", "setup.py"]
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:

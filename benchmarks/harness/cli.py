@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
-from benchmarks.harness.report import (
+from kv_picker.config import parse_duration_s
+from kv_picker.errors import ConfigError
+from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
+from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
     describe_cluster,
@@ -38,11 +40,9 @@ from benchmarks.harness.report import (
     summarize,
     write_json,
 )
-from benchmarks.harness.simulator import ClusterConfig, EndpointSetup, run_policy
-from benchmarks.harness.traces import Trace, TraceError, parse_trace_spec, slice_trace
-from benchmarks.sim.engine import HARDWARE_CLASSES
-from picker.config import parse_duration_s
-from picker.errors import ConfigError
+from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
+from kv_picker_bench.harness.traces import Trace, TraceError, parse_trace_spec, slice_trace
+from kv_picker_bench.sim.engine import HARDWARE_CLASSES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 RESULTS_DIR = Path("results")
@@ -571,7 +571,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         add_policy_arguments(parser, offline)
     add_output_arguments(parser, offline)
     if not offline:
-        from benchmarks.harness.live import add_live_arguments
+        from kv_picker_bench.harness.live import add_live_arguments
 
         add_live_arguments(parser, command)
     return parser

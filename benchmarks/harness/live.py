@@ -45,9 +45,10 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.client import Outcome, send
-from benchmarks.harness.policies import Policy
-from benchmarks.harness.report import (
+from kv_picker.scheduling.registry import builtin_registry
+from kv_picker_bench.client import Outcome, send
+from kv_picker_bench.harness.policies import Policy
+from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
     describe_cluster,
@@ -58,10 +59,9 @@ from benchmarks.harness.report import (
     plot_cdfs,
     write_json,
 )
-from benchmarks.harness.traces import Trace, prompt_text
-from benchmarks.workloads import WorkloadRequest
-from picker.localstack import LocalStack, ManagedProcess, SimSpec, free_port, http_get
-from picker.scheduling.registry import builtin_registry
+from kv_picker_bench.harness.traces import Trace, prompt_text
+from kv_picker_bench.localstack import LocalStack, ManagedProcess, SimSpec, free_port, http_get
+from kv_picker_bench.workloads import WorkloadRequest
 
 PEER_ROUTERS = ("vllm-router", "sglang-router")
 DEFAULT_PEERS = (
@@ -135,7 +135,7 @@ def router_binary(router: str, explicit: str | None = None) -> str | None:
 
 
 def parse_peer(item: str) -> tuple[str, str]:
-    from benchmarks.harness.cli import UsageError
+    from kv_picker_bench.harness.cli import UsageError
 
     router, sep, policy = item.partition(":")
     if router not in PEER_ROUTERS or not sep or not policy:
@@ -298,7 +298,7 @@ def live_picker_config(
     The scrape interval is scaled to wall time (at least 50 ms, so that scraping N endpoints
     over HTTP stays cheap) unless the policy sets its own ``metrics`` section.
     """
-    from benchmarks.harness.cli import UsageError
+    from kv_picker_bench.harness.cli import UsageError
 
     document = dict(policy.document)
     try:
@@ -364,7 +364,7 @@ def start_peer(
 
 
 def run_live(argv: Sequence[str], command: str) -> int:
-    from benchmarks.harness.cli import (
+    from kv_picker_bench.harness.cli import (
         EXIT_FAILURE,
         EXIT_OK,
         UsageError,
@@ -536,7 +536,7 @@ def _progress(args: argparse.Namespace, run: LiveRun) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kv-picker bench live``."""
-    from benchmarks.harness.cli import run_command
+    from kv_picker_bench.harness.cli import run_command
 
     args = list(sys.argv[1:] if argv is None else argv)
     with contextlib.suppress(BrokenPipeError):

@@ -4,7 +4,7 @@ The peer routers install from the package index (``pip install vllm-router sglan
 each in its own virtual environment, as reference peers.md §1.1 describes); this command finds
 them through ``--vllm-router-bin`` / ``--sglang-router-bin``, ``$VLLM_ROUTER_BIN`` /
 ``$SGLANG_ROUTER_BIN`` or PATH. It shares everything else with live mode
-(:mod:`benchmarks.harness.live`): same endpoints, client, schedule and table.
+(:mod:`kv_picker_bench.harness.live`): same endpoints, client, schedule and table.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from benchmarks.harness.cli import run_command
-from benchmarks.harness.live import run_live
+from kv_picker_bench.harness.cli import run_command
+from kv_picker_bench.harness.live import run_live
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,8 +39,8 @@ Plugins (harness registry only):
   ``p_w ∝ exp(-(cost_w / (max - min)) / T)``.
 
 The Dynamo-style picker also follows the simulator's side inputs (KV events, first token,
-finish: :class:`~benchmarks.harness.simulator.KVEventSubscriber` and
-:class:`~benchmarks.harness.simulator.RequestObserver`), as Dynamo's router follows its
+finish: :class:`~kv_picker_bench.harness.simulator.KVEventSubscriber` and
+:class:`~kv_picker_bench.harness.simulator.RequestObserver`), as Dynamo's router follows its
 workers' events and its own response streams.
 
 P/D runs wrap any policy with :func:`pd_variant`: the service's ``pd-profile-handler`` over a
@@ -59,15 +59,15 @@ from typing import Any, ClassVar
 
 import yaml
 
-from benchmarks.harness.simulator import BLOCK_KEYS_STATE
-from picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, PickerConfig, parse_config
-from picker.errors import ConfigError
-from picker.scheduling.registry import Registry, builtin_registry
-from picker.scheduling.signals import PROMPT_TOKENS
-from picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
-from picker.state.approx_index import ApproximatePrefixIndex
-from picker.state.endpoints import Endpoint
-from picker.state.hashing import char_block_keys, request_seed
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, PickerConfig, parse_config
+from kv_picker.errors import ConfigError
+from kv_picker.scheduling.registry import Registry, builtin_registry
+from kv_picker.scheduling.signals import PROMPT_TOKENS
+from kv_picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
+from kv_picker.state.approx_index import ApproximatePrefixIndex
+from kv_picker.state.endpoints import Endpoint
+from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
 
 # ------------------------------------------------------------------------------ plugins
 

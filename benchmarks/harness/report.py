@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.simulator import (
+from kv_picker_bench.harness.simulator import (
     ERROR,
     OK,
     REJECTED,
@@ -34,7 +34,7 @@ from benchmarks.harness.simulator import (
     block_keys,
     output_block_keys,
 )
-from benchmarks.harness.traces import Trace
+from kv_picker_bench.harness.traces import Trace
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 

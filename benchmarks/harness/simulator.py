@@ -17,12 +17,12 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
   heap peek. Prefill steps (the ones that cost compute) are simulated one by one.
 - Step duration, admission (FIFO; all blocks of prompt and output reserved up front; the last
   prompt token always recomputed), chunked prefill within ``max_num_batched_tokens``: the same
-  rules as :mod:`benchmarks.sim.engine`, with its :class:`~benchmarks.sim.engine.TimingModel`
-  and hardware classes, and the same :class:`~benchmarks.sim.cache.PrefixCache` (exact block
+  rules as :mod:`kv_picker_bench.sim.engine`, with its :class:`~kv_picker_bench.sim.engine.TimingModel`
+  and hardware classes, and the same :class:`~kv_picker_bench.sim.cache.PrefixCache` (exact block
   accounting, LRU eviction of unreferenced blocks, per-endpoint capacity).
 - Routing goes through the service's own code: each policy is an EndpointPickerConfig document
-  parsed by :func:`picker.config.parse_config` and run by :class:`picker.scheduling.scheduler.
-  Scheduler`. The simulator owns the clock handed to the :class:`~picker.state.endpoints.
+  parsed by :func:`kv_picker.config.parse_config` and run by :class:`kv_picker.scheduling.scheduler.
+  Scheduler`. The simulator owns the clock handed to the :class:`~kv_picker.state.endpoints.
   EndpointStore` and the build context, writes scraped metrics into the store on a simulated
   scrape schedule (so scorers see values up to one interval old, like a real scrape), keeps the
   store's in-flight counts, and delivers the caches' KV events (optionally delayed) to plugins
@@ -53,22 +53,22 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from benchmarks.harness.traces import Trace, TraceRequest, prompt_text
-from benchmarks.sim.cache import PrefixCache, StoredBlock
-from benchmarks.sim.engine import HardwareClass, TimingModel, hardware_class
-from picker.config import PickerConfig, hardware_table
-from picker.errors import PickerError, SaturatedError
-from picker.scheduling.registry import Registry
-from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.signals import PROMPT_TOKENS, uncached_prompt_tokens
-from picker.scheduling.types import BuildContext, LLMRequest
-from picker.state.endpoints import ROLE_LABEL, EndpointId, EndpointSpec, EndpointStore
-from picker.state.hardware import HARDWARE_CLASS_LABEL
+from kv_picker.config import PickerConfig, hardware_table
+from kv_picker.errors import PickerError, SaturatedError
+from kv_picker.scheduling.registry import Registry
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.scheduling.signals import PROMPT_TOKENS, uncached_prompt_tokens
+from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.state.endpoints import ROLE_LABEL, EndpointId, EndpointSpec, EndpointStore
+from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
+from kv_picker_bench.harness.traces import Trace, TraceRequest, prompt_text
+from kv_picker_bench.sim.cache import PrefixCache, StoredBlock
+from kv_picker_bench.sim.engine import HardwareClass, TimingModel, hardware_class
 
 BLOCK_KEYS_STATE = "harness.block_keys"
 """``LLMRequest.state`` key: the request's engine block keys (what a tokenizer would give).
 
-The exact prompt length goes under :data:`picker.scheduling.signals.PROMPT_TOKENS`, as the
+The exact prompt length goes under :data:`kv_picker.scheduling.signals.PROMPT_TOKENS`, as the
 service's precise prefix scorer publishes it.
 """
 
@@ -85,7 +85,7 @@ class EndpointSetup:
 
     Attributes:
         role: ``both``, ``prefill`` or ``decode`` (the ``llm-d.ai/role`` label).
-        hardware: Hardware class name (see :data:`benchmarks.sim.engine.HARDWARE_CLASSES`).
+        hardware: Hardware class name (see :data:`kv_picker_bench.sim.engine.HARDWARE_CLASSES`).
         num_gpu_blocks: KV capacity in blocks; ``None`` scales the cluster default by the
             hardware class's ``kv_capacity``.
     """
@@ -433,7 +433,7 @@ class ClusterSimulator:
     Args:
         trace: The requests.
         config: The cluster.
-        picker_config: The policy, validated by :func:`picker.config.parse_config`.
+        picker_config: The policy, validated by :func:`kv_picker.config.parse_config`.
         registry: Plugin registry (the service's built-ins plus the harness's baselines).
         policy: Name for results.
         seed: Seed of the policy's generator (ties, random pickers).

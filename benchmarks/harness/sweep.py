@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from benchmarks.harness.cli import sweep_main
+from kv_picker_bench.harness.cli import sweep_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -331,7 +331,7 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
     Raises:
         TraceError: naming the file, line and field of the first bad row.
     """
-    from benchmarks.sim.tokenizer import encode
+    from kv_picker_bench.sim.tokenizer import encode
 
     path = Path(path)
     where = str(path)

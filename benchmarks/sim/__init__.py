@@ -2,24 +2,24 @@
 
 Layers, each usable on its own:
 
-- :mod:`~benchmarks.sim.tokenizer`: deterministic built-in tokenizer and chat template.
-- :mod:`~benchmarks.sim.cache`: vLLM-compatible block hashing and the finite prefix cache.
-- :mod:`~benchmarks.sim.engine`: pure continuous-batching and timing model (clock injected),
+- :mod:`~kv_picker_bench.sim.tokenizer`: deterministic built-in tokenizer and chat template.
+- :mod:`~kv_picker_bench.sim.cache`: vLLM-compatible block hashing and the finite prefix cache.
+- :mod:`~kv_picker_bench.sim.engine`: pure continuous-batching and timing model (clock injected),
   shared with the offline cluster simulator.
-- :mod:`~benchmarks.sim.events`: the cache's changes as vLLM KV events (ZMQ PUB, msgpack,
+- :mod:`~kv_picker_bench.sim.events`: the cache's changes as vLLM KV events (ZMQ PUB, msgpack,
   array or map encoding) with a replay socket.
-- :mod:`~benchmarks.sim.server`: the aiohttp OpenAI-compatible server, ``/metrics`` and the
-  command line (``python -m benchmarks.sim --port 8000``).
+- :mod:`~kv_picker_bench.sim.server`: the aiohttp OpenAI-compatible server, ``/metrics`` and the
+  command line (``python -m kv_picker_bench.sim --port 8000``).
 """
 
-from benchmarks.sim.cache import (
+from kv_picker_bench.sim.cache import (
     HASH_ALGO,
     BlockHasher,
     CacheEventListener,
     PrefixCache,
     StoredBlock,
 )
-from benchmarks.sim.engine import (
+from kv_picker_bench.sim.engine import (
     DEFAULT_NUM_GPU_BLOCKS,
     HARDWARE_CLASSES,
     EngineConfig,
@@ -33,8 +33,8 @@ from benchmarks.sim.engine import (
     TokenEvent,
     hardware_class,
 )
-from benchmarks.sim.events import KVEventPublisher
-from benchmarks.sim.server import (
+from kv_picker_bench.sim.events import KVEventPublisher
+from kv_picker_bench.sim.server import (
     ENDPOINT_HEADER,
     ROLES,
     SimEndpoint,
@@ -44,7 +44,7 @@ from benchmarks.sim.server import (
     serve,
     start_sim_endpoint,
 )
-from benchmarks.sim.tokenizer import VOCAB_SIZE, decode, encode, render_chat
+from kv_picker_bench.sim.tokenizer import VOCAB_SIZE, decode, encode, render_chat
 
 __all__ = [
     "DEFAULT_NUM_GPU_BLOCKS",

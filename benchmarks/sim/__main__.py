@@ -1,5 +1,5 @@
-"""``python -m benchmarks.sim``: run one simulated vLLM endpoint."""
+"""``python -m kv_picker_bench.sim``: run one simulated vLLM endpoint."""
 
-from benchmarks.sim.server import main
+from kv_picker_bench.sim.server import main
 
 raise SystemExit(main())

@@ -43,18 +43,18 @@ from types import MappingProxyType
 
 import xxhash
 
-from benchmarks.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
-from benchmarks.sim.cache import _digest as _block_digest  # keys must equal BlockHasher's
-from benchmarks.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
-from picker.state.hardware import BUILTIN_HARDWARE_CLASSES
-from picker.state.hardware import HardwareClass as HardwareClass  # re-exported
+from kv_picker.state.hardware import BUILTIN_HARDWARE_CLASSES
+from kv_picker.state.hardware import HardwareClass as HardwareClass  # re-exported
+from kv_picker_bench.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
+from kv_picker_bench.sim.cache import _digest as _block_digest  # keys must equal BlockHasher's
+from kv_picker_bench.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
 DEFAULT_NUM_GPU_BLOCKS = 2048
 """KV capacity (blocks) of the reference hardware class when none is configured."""
 
 
 # One table for the picker's scorers and the simulated endpoints' timing (datasheet-derived
-# prefill, decode and KV-capacity factors relative to an H100; see picker.state.hardware).
+# prefill, decode and KV-capacity factors relative to an H100; see kv_picker.state.hardware).
 H100 = BUILTIN_HARDWARE_CLASSES["H100"]
 
 HARDWARE_CLASSES: Mapping[str, HardwareClass] = MappingProxyType(

@@ -38,7 +38,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from benchmarks.sim.cache import CacheEventListener, StoredBlock
+from kv_picker_bench.sim.cache import CacheEventListener, StoredBlock
 
 logger = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from benchmarks.sim.cache import HASH_ALGO
-from benchmarks.sim.engine import FinishedRequest, SimEngine
+from kv_picker_bench.sim.cache import HASH_ALGO
+from kv_picker_bench.sim.engine import FinishedRequest, SimEngine
 
 # Bucket bounds as in vLLM's v1 metrics logger.
 TTFT_BUCKETS_S: tuple[float, ...] = (

@@ -18,7 +18,7 @@ Options that make it a precise-routing peer: ``--tokenizer DIR`` tokenizes with 
 picker loads, so both see the same token ids; the built-in tokenizer stays the default), and
 ``--kv-events-port`` publishes the prefix cache's changes as vLLM KV events on a ZMQ PUB socket
 (``--kv-events-replay-port`` adds the replay socket, ``--kv-events-encoding`` picks the array or
-map event encoding; see :mod:`benchmarks.sim.events`).
+map event encoding; see :mod:`kv_picker_bench.sim.events`).
 
 Time: one asyncio task runs engine steps back to back while there is work and sleeps each
 step's duration times ``time_scale`` (wall seconds per model second: 1.0 is real time, 0.01 is
@@ -49,8 +49,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from benchmarks.sim.cache import CacheEventListener
-from benchmarks.sim.engine import (
+from kv_picker.state.tokenization import PromptTokenizer
+from kv_picker_bench.sim.cache import CacheEventListener
+from kv_picker_bench.sim.engine import (
     EngineConfig,
     FinishedRequest,
     RequestRejected,
@@ -59,10 +60,9 @@ from benchmarks.sim.engine import (
     TokenEvent,
     hardware_class,
 )
-from benchmarks.sim.events import ENCODINGS, KVEventPublisher, default_topic
-from benchmarks.sim.metrics import SimMetrics
-from benchmarks.sim.tokenizer import VOCAB_SIZE, decode, decode_token, encode, render_chat
-from picker.state.tokenization import PromptTokenizer
+from kv_picker_bench.sim.events import ENCODINGS, KVEventPublisher, default_topic
+from kv_picker_bench.sim.metrics import SimMetrics
+from kv_picker_bench.sim.tokenizer import VOCAB_SIZE, decode, decode_token, encode, render_chat
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ generates (seeded, so a rebuild gives the same text), and a ChatML chat template
 started with ``--tokenizer benchmarks/tokenizer`` tokenize with the same files, so their KV-event
 blocks match the picker's request blocks.
 
-The output is committed; rebuild with ``python -m benchmarks.tokenizer.build``.
+The output is committed; rebuild with ``python -m kv_picker_bench.tokenizer.build``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from picker.api import admin_pb2 as picker_dot_api_dot_admin__pb2
+from kv_picker.api import admin_pb2 as kv__picker_dot_api_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in picker/api/admin_pb2_grpc.py depends on'
+        + ' but the generated code in kv_picker/api/admin_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class AdminStub:
         """
         self.Explain = channel.unary_unary(
                 '/kvpicker.v1.Admin/Explain',
-                request_serializer=picker_dot_api_dot_admin__pb2.ExplainRequest.SerializeToString,
-                response_deserializer=picker_dot_api_dot_admin__pb2.ExplainResponse.FromString,
+                request_serializer=kv__picker_dot_api_dot_admin__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kv__picker_dot_api_dot_admin__pb2.ExplainResponse.FromString,
                 _registered_method=True)
         self.ListEndpoints = channel.unary_unary(
                 '/kvpicker.v1.Admin/ListEndpoints',
-                request_serializer=picker_dot_api_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
-                response_deserializer=picker_dot_api_dot_admin__pb2.ListEndpointsResponse.FromString,
+                request_serializer=kv__picker_dot_api_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
+                response_deserializer=kv__picker_dot_api_dot_admin__pb2.ListEndpointsResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Explain': grpc.unary_unary_rpc_method_handler(
                     servicer.Explain,
-                    request_deserializer=picker_dot_api_dot_admin__pb2.ExplainRequest.FromString,
-                    response_serializer=picker_dot_api_dot_admin__pb2.ExplainResponse.SerializeToString,
+                    request_deserializer=kv__picker_dot_api_dot_admin__pb2.ExplainRequest.FromString,
+                    response_serializer=kv__picker_dot_api_dot_admin__pb2.ExplainResponse.SerializeToString,
             ),
             'ListEndpoints': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEndpoints,
-                    request_deserializer=picker_dot_api_dot_admin__pb2.ListEndpointsRequest.FromString,
-                    response_serializer=picker_dot_api_dot_admin__pb2.ListEndpointsResponse.SerializeToString,
+                    request_deserializer=kv__picker_dot_api_dot_admin__pb2.ListEndpointsRequest.FromString,
+                    response_serializer=kv__picker_dot_api_dot_admin__pb2.ListEndpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Admin:
             request,
             target,
             '/kvpicker.v1.Admin/Explain',
-            picker_dot_api_dot_admin__pb2.ExplainRequest.SerializeToString,
-            picker_dot_api_dot_admin__pb2.ExplainResponse.FromString,
+            kv__picker_dot_api_dot_admin__pb2.ExplainRequest.SerializeToString,
+            kv__picker_dot_api_dot_admin__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Admin:
             request,
             target,
             '/kvpicker.v1.Admin/ListEndpoints',
-            picker_dot_api_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
-            picker_dot_api_dot_admin__pb2.ListEndpointsResponse.FromString,
+            kv__picker_dot_api_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
+            kv__picker_dot_api_dot_admin__pb2.ListEndpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,10 +19,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from picker.config import ModelConfig
-from picker.errors import BadRequestError, ModelNotFoundError
-from picker.scheduling.types import LLMRequest
-from picker.wire import MODEL_REWRITE_HEADERS, REQUEST_ID_HEADER
+from kv_picker.config import ModelConfig
+from kv_picker.errors import BadRequestError, ModelNotFoundError
+from kv_picker.scheduling.types import LLMRequest
+from kv_picker.wire import MODEL_REWRITE_HEADERS, REQUEST_ID_HEADER
 
 
 def request_kind(path: str) -> str:

@@ -34,13 +34,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 
-from picker.director import Director
-from picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
-from picker.handlers import responses
-from picker.handlers.usage import UsageReader
-from picker.scheduling.types import LLMRequest
-from picker.state.endpoints import Endpoint
-from picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS, PREFILLER_HEADER
+from kv_picker.director import Director
+from kv_picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
+from kv_picker.handlers import responses
+from kv_picker.handlers.usage import UsageReader
+from kv_picker.scheduling.types import LLMRequest
+from kv_picker.state.endpoints import Endpoint
+from kv_picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS, PREFILLER_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from picker.errors import PickerError
-from picker.wire import (
+from kv_picker.errors import PickerError
+from kv_picker.wire import (
     BODY_CHUNK_LIMIT_BYTES,
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,

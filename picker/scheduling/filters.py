@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from picker.scheduling.types import BuildContext, LLMRequest
-from picker.state.endpoints import ROLE_LABEL, Endpoint
+from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.state.endpoints import ROLE_LABEL, Endpoint
 
 
 class _LabelFilter:

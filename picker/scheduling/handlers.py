@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from picker.errors import SaturatedError
-from picker.scheduling.signals import cached_tokens, prompt_tokens
-from picker.scheduling.types import BuildContext, LLMRequest, ProfileRunner, SchedulingResult
-from picker.state.endpoints import Endpoint
+from kv_picker.errors import SaturatedError
+from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
+from kv_picker.scheduling.types import BuildContext, LLMRequest, ProfileRunner, SchedulingResult
+from kv_picker.state.endpoints import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from picker.scheduling.types import BuildContext, LLMRequest
-from picker.state.endpoints import Endpoint
+from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.state.endpoints import Endpoint
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
-from picker.errors import ConfigError
-from picker.scheduling.types import AnyPlugin, BuildContext
+from kv_picker.errors import ConfigError
+from kv_picker.scheduling.types import AnyPlugin, BuildContext
 
 PluginClass = type  # a class with type_name, Params and __init__(name, params, ctx)
 
@@ -155,10 +155,10 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
 
 def builtin_registry(include_entry_points: bool = True) -> Registry:
     """Registry with every built-in plugin (and entry-point plugins when asked)."""
-    from picker.scheduling.filters import BUILTIN_FILTERS
-    from picker.scheduling.handlers import BUILTIN_PROFILE_HANDLERS
-    from picker.scheduling.pickers import BUILTIN_PICKERS
-    from scorers import BUILTIN_SCORERS
+    from kv_picker.scheduling.filters import BUILTIN_FILTERS
+    from kv_picker.scheduling.handlers import BUILTIN_PROFILE_HANDLERS
+    from kv_picker.scheduling.pickers import BUILTIN_PICKERS
+    from kv_picker.scorers import BUILTIN_SCORERS
 
     registry = Registry(
         [*BUILTIN_SCORERS, *BUILTIN_PICKERS, *BUILTIN_FILTERS, *BUILTIN_PROFILE_HANDLERS]

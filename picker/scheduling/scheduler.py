@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from picker.config import PickerConfig
-from picker.errors import ConfigError, SaturatedError
-from picker.metrics import PickerMetrics
-from picker.scheduling.registry import Registry
-from picker.scheduling.types import (
+from kv_picker.config import PickerConfig
+from kv_picker.errors import ConfigError, SaturatedError
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.registry import Registry
+from kv_picker.scheduling.types import (
     BuildContext,
     Filter,
     LLMRequest,
@@ -35,7 +35,7 @@ from picker.scheduling.types import (
     SchedulingResult,
     Scorer,
 )
-from picker.state.endpoints import Endpoint
+from kv_picker.state.endpoints import Endpoint
 
 _perf = time.perf_counter
 

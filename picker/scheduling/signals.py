@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from picker.scheduling.types import LLMRequest
+from kv_picker.scheduling.types import LLMRequest
 
 PREFIX_MATCH = "signals.prefix_match"
 PROMPT_TOKENS = "signals.prompt_tokens"

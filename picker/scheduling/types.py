@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from picker.state.endpoints import Endpoint, EndpointStore
-from picker.state.hardware import HardwareTable
+from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.state.hardware import HardwareTable
 
 if TYPE_CHECKING:
-    from picker.state.kv_index import KVBlockIndex
-    from picker.state.redis_index import RedisKVIndex
+    from kv_picker.state.kv_index import KVBlockIndex
+    from kv_picker.state.redis_index import RedisKVIndex
 
 
 @dataclass(slots=True)

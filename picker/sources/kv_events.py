@@ -49,11 +49,11 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from picker.config import PickerConfig
-from picker.metrics import PickerMetrics
-from picker.state.endpoints import EndpointId, EndpointStore, split_address
-from picker.state.kv_index import EventKeys, KVBlockIndex
-from picker.state.redis_index import RedisKVIndex
+from kv_picker.config import PickerConfig
+from kv_picker.metrics import PickerMetrics
+from kv_picker.state.endpoints import EndpointId, EndpointStore, split_address
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.redis_index import RedisKVIndex
 
 log = logging.getLogger(__name__)
 

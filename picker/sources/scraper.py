@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.metrics import PickerMetrics
-from picker.state.endpoints import Endpoint, EndpointStore, LoraState
+from kv_picker.metrics import PickerMetrics
+from kv_picker.state.endpoints import Endpoint, EndpointStore, LoraState
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Precise KV block index: which endpoint really holds which block, from its own KV events.
 
 Two parts, shared by the in-process index here and the Redis-backed one
-(:mod:`picker.state.redis_index`):
+(:mod:`kv_picker.state.redis_index`):
 
 - :class:`BlockLedger`: per endpoint, the engine's block hash → our block key, in LRU order.
   It resolves ``BlockStored.parent_block_hash`` and ``BlockRemoved`` hashes (which are engine
@@ -9,7 +9,7 @@ Two parts, shared by the in-process index here and the Redis-backed one
   (``num_gpu_blocks`` from ``vllm:cache_config_info`` when scraped, else a configured default)
   and in total, evicting least recently stored entries first.
 - :class:`EventKeys`: turns a ``BlockStored`` into keys (our dual keys computed from the
-  event's ``token_ids``, or vLLM's own hashes in strict mode; see :mod:`picker.state.block_keys`)
+  event's ``token_ids``, or vLLM's own hashes in strict mode; see :mod:`kv_picker.state.block_keys`)
   and decides what is not indexed (other media than GPU, non-full-attention groups, multimodal
   blocks, blocks whose parent is unknown).
 
@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from picker.state.block_keys import VllmBlockHasher, chain_keys, chain_root
+from kv_picker.state.block_keys import VllmBlockHasher, chain_keys, chain_root
 
 log = logging.getLogger(__name__)
 

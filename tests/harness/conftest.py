@@ -6,14 +6,14 @@ from collections.abc import Sequence
 
 import pytest
 
-from benchmarks.harness.policies import Policy, harness_registry, resolve_policy
-from benchmarks.harness.simulator import (
+from kv_picker_bench.harness.policies import Policy, harness_registry, resolve_policy
+from kv_picker_bench.harness.simulator import (
     ClusterConfig,
     ClusterSimulator,
     EndpointSetup,
     SimulationResult,
 )
-from benchmarks.harness.traces import SharedPrefixSpec, Trace, TraceRequest
+from kv_picker_bench.harness.traces import SharedPrefixSpec, Trace, TraceRequest
 
 
 def make_trace(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.__main__ import main as bench_main
-from benchmarks.harness.cli import replay_main, sweep_main
+from kv_picker_bench.__main__ import main as bench_main
+from kv_picker_bench.harness.cli import replay_main, sweep_main
 
 TINY = "shared-prefix:groups=3,users=2,context=300,question=40,output=12,requests=40,rate=20"
 

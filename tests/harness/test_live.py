@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.live import main as live_main
-from benchmarks.harness.live import router_binary
-from benchmarks.harness.peers import main as peers_main
-from picker.localstack import envoy_binary
+from kv_picker_bench.harness.live import main as live_main
+from kv_picker_bench.harness.live import router_binary
+from kv_picker_bench.harness.peers import main as peers_main
+from kv_picker_bench.localstack import envoy_binary
 
 TINY = "shared-prefix:groups=3,users=2,context=300,question=40,output=12,requests=24,rate=20"
 COMMON = ["--trace", TINY, "--endpoints", "2", "--num-gpu-blocks", "400", "--quiet"]

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.policies import (
+from kv_picker.errors import ConfigError
+from kv_picker.scheduling.signals import PROMPT_TOKENS
+from kv_picker.scheduling.types import BuildContext, LLMRequest, ProfileResult, SchedulingResult
+from kv_picker.state.endpoints import EndpointSpec, EndpointStore
+from kv_picker_bench.harness.policies import (
     BASELINES,
     DynamoCostParams,
     DynamoCostPicker,
@@ -21,11 +25,7 @@ from benchmarks.harness.policies import (
     resolve_policies,
     resolve_policy,
 )
-from benchmarks.harness.simulator import BLOCK_KEYS_STATE
-from picker.errors import ConfigError
-from picker.scheduling.signals import PROMPT_TOKENS
-from picker.scheduling.types import BuildContext, LLMRequest, ProfileResult, SchedulingResult
-from picker.state.endpoints import EndpointSpec, EndpointStore
+from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
 
 
 def store_with(count: int) -> EndpointStore:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.harness.policies import Policy, harness_registry, pd_variant
-from benchmarks.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
-from picker.scheduling.types import LLMRequest
+from kv_picker.scheduling.types import LLMRequest
+from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant
+from kv_picker_bench.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
 from tests.harness.conftest import make_trace, small_cluster, small_trace
 
 TOKEN_AWARE = Policy(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.harness.report import (
+from kv_picker_bench.harness.report import (
     hit_ratio_bounds,
     latency_stats,
     markdown_table,

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.harness.policies import (
+from kv_picker_bench.harness.policies import (
     DynamoCostPicker,
     Policy,
     harness_registry,
     pd_variant,
     resolve_policy,
 )
-from benchmarks.harness.simulator import (
+from kv_picker_bench.harness.simulator import (
     ERROR,
     OK,
     REJECTED,
@@ -24,9 +24,9 @@ from benchmarks.harness.simulator import (
     EndpointSetup,
     block_keys,
 )
-from benchmarks.harness.traces import ChatSpec, prompt_text, slice_trace
-from benchmarks.sim.engine import EngineConfig, SimEngine
-from benchmarks.sim.tokenizer import encode
+from kv_picker_bench.harness.traces import ChatSpec, prompt_text, slice_trace
+from kv_picker_bench.sim.engine import EngineConfig, SimEngine
+from kv_picker_bench.sim.tokenizer import encode
 from tests.harness.conftest import make_trace, simulate, small_cluster, small_trace
 
 
@@ -69,7 +69,7 @@ def test_determinism_under_a_seed() -> None:
 
 
 def reference_engine_run(trace, config) -> list[tuple[float, float, int]]:
-    """The endpoint's own engine (benchmarks.sim.engine), stepped as the HTTP server steps it."""
+    """The endpoint's own engine (kv_picker_bench.sim.engine), stepped as the HTTP server steps it."""
     engine = SimEngine(
         EngineConfig(
             block_size=config.block_size,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.traces import (
+from kv_picker_bench.harness.traces import (
     CHARS_PER_TOKEN,
     ChatSpec,
     SharedPrefixSpec,
@@ -21,7 +21,7 @@ from benchmarks.harness.traces import (
     slice_trace,
     write_kv_picker_jsonl,
 )
-from benchmarks.sim.tokenizer import encode
+from kv_picker_bench.sim.tokenizer import encode
 
 # shared/ sits beside the repository (development machines and CI alike).
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -72,7 +72,7 @@ def test_mooncake_bad_rows_name_file_line_and_field(
 ) -> None:
     path = write_lines(tmp_path / "bad.jsonl", [mooncake_row(), row])
     with pytest.raises(TraceError) as info:
-        from benchmarks.harness.traces import load_mooncake
+        from kv_picker_bench.harness.traces import load_mooncake
 
         load_mooncake(path)
     message = str(info.value)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from picker.localstack import LocalStack, SimSpec, envoy_binary
+from kv_picker_bench.localstack import LocalStack, SimSpec, envoy_binary
 
 
 def _have_envoy() -> bool:

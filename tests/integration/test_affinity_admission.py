@@ -7,9 +7,9 @@ import threading
 import time
 from collections import Counter
 
-from benchmarks.client import replay
-from benchmarks.workloads import WorkloadRequest
-from picker.localstack import LocalStack, SimSpec
+from kv_picker_bench.client import replay
+from kv_picker_bench.localstack import LocalStack, SimSpec
+from kv_picker_bench.workloads import WorkloadRequest
 from tests.integration.conftest import post
 
 SERVED_BY = "x-kv-picker-sim-endpoint"

@@ -8,9 +8,9 @@ import random
 import time
 from collections import Counter
 
-from benchmarks.client import replay
-from benchmarks.workloads import WorkloadRequest, words
-from picker.localstack import LocalStack, free_port
+from kv_picker_bench.client import replay
+from kv_picker_bench.localstack import LocalStack, free_port
+from kv_picker_bench.workloads import WorkloadRequest, words
 from tests.integration.conftest import post
 
 SERVED_BY = "x-kv-picker-sim-endpoint"

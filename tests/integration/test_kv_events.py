@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.localstack import LocalStack, SimSpec
+from kv_picker_bench.localstack import LocalStack, SimSpec
 from tests.integration.conftest import post
 
 TOKENIZER = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tokenizer")
@@ -116,7 +116,7 @@ def test_reset_and_restart_take_blocks_out_of_the_index(stack: LocalStack) -> No
 
 
 def test_precise_vs_approx_benchmark_smoke() -> None:
-    from benchmarks.precise_vs_approx import format_rows, run
+    from kv_picker_bench.precise_vs_approx import format_rows, run
 
     rows = run(quick=True, endpoints=2, requests_per_phase=(12, 6, 12))
     assert [(r.policy, r.phase) for r in rows] == [

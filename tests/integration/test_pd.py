@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from benchmarks.workloads import words
-from picker.localstack import LocalStack, SimSpec
+from kv_picker_bench.localstack import LocalStack, SimSpec
+from kv_picker_bench.workloads import words
 from tests.integration.conftest import post
 
 PD_CONFIG = {

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.workloads import words
-from picker.api import admin_pb2, admin_pb2_grpc
-from picker.localstack import LocalStack
+from kv_picker.api import admin_pb2, admin_pb2_grpc
+from kv_picker_bench.localstack import LocalStack
+from kv_picker_bench.workloads import words
 from tests.integration.conftest import post
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_cli_explain_against_the_server(stack: LocalStack, tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "picker",
+            "kv_picker",
             "explain",
             "--server",
             f"127.0.0.1:{stack.picker_grpc_port}",
@@ -112,13 +112,13 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
             f"--python_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
             f"--pyi_out={tmp_path}",
-            str(ROOT / "proto/picker/api/admin.proto"),
+            str(ROOT / "proto/kv_picker/api/admin.proto"),
         ],
         check=True,
         timeout=60,
     )
     for name in ("admin_pb2.py", "admin_pb2_grpc.py", "admin_pb2.pyi"):
-        generated = (tmp_path / "picker/api" / name).read_text()
+        generated = (tmp_path / "kv_picker/api" / name).read_text()
         assert generated == (ROOT / "picker/api" / name).read_text(), (
             f"picker/api/{name} is stale: run `make proto`"
         )

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from picker.app import PickerApp
-from picker.config import load_config
-from picker.scheduling.registry import builtin_registry
-from picker.wire import HEALTH_SERVICES
+from kv_picker.app import PickerApp
+from kv_picker.config import load_config
+from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.wire import HEALTH_SERVICES
 
 REGISTRY = builtin_registry(include_entry_points=False)
 

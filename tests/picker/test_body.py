@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from picker.config import ModelConfig
-from picker.errors import BadRequestError, ModelNotFoundError, PickerError
-from picker.handlers.body import parse_request
+from kv_picker.config import ModelConfig
+from kv_picker.errors import BadRequestError, ModelNotFoundError, PickerError
+from kv_picker.handlers.body import parse_request
 
 COMPLETIONS = {":path": "/v1/completions"}
 CHAT = {":path": "/v1/chat/completions?x=1"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from picker.localstack import ManagedProcess, free_port, http_get
+from kv_picker_bench.localstack import ManagedProcess, free_port, http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def kv_picker(
     *args: str, timeout_s: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "picker", *args],
+        [sys.executable, "-m", "kv_picker", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -155,7 +155,7 @@ def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path, event_loop: 
         [
             sys.executable,
             "-m",
-            "picker",
+            "kv_picker",
             "serve",
             "--event-loop",
             event_loop,
@@ -185,7 +185,9 @@ def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path, event_loop: 
 def test_explain_with_scrape_uses_live_endpoints_only(tmp_path: Path) -> None:
     port = free_port()
     sim = ManagedProcess(
-        "sim", [sys.executable, "-m", "benchmarks.sim", "--port", str(port)], tmp_path / "sim.log"
+        "sim",
+        [sys.executable, "-m", "kv_picker_bench.sim", "--port", str(port)],
+        tmp_path / "sim.log",
     )
     try:
         sim.wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, 30, "health")

@@ -5,15 +5,15 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from picker.config import (
+from kv_picker.config import (
     PickerConfig,
     load_config,
     parse_config,
     parse_config_text,
     parse_duration_s,
 )
-from picker.errors import ConfigError
-from picker.scheduling.registry import builtin_registry
+from kv_picker.errors import ConfigError
+from kv_picker.scheduling.registry import builtin_registry
 
 REGISTRY = builtin_registry(include_entry_points=False)
 

@@ -1,18 +1,18 @@
 import pytest
 
-from picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
-from picker.state.endpoints import EndpointId, LoraState
-from picker.state.hardware import HARDWARE_CLASS_LABEL, HardwareTable
-from scorers.hardware_class import HardwareClassParams, HardwareClassScorer
-from scorers.load_aware import LoadAwareParams, LoadAwareScorer
-from scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
-from scorers.predicted_latency import PredictedLatencyParams, PredictedLatencyScorer
-from scorers.session_affinity import (
+from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
+from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
+from kv_picker.scorers.load_aware import LoadAwareParams, LoadAwareScorer
+from kv_picker.scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
+from kv_picker.scorers.predicted_latency import PredictedLatencyParams, PredictedLatencyScorer
+from kv_picker.scorers.session_affinity import (
     SessionAffinityParams,
     SessionAffinityScorer,
     decode_session_token,
     encode_session_token,
 )
+from kv_picker.state.endpoints import EndpointId, LoraState
+from kv_picker.state.hardware import HARDWARE_CLASS_LABEL, HardwareTable
 from tests.fakes import make_context, make_request, make_store
 
 
@@ -41,7 +41,7 @@ def test_hardware_class_relative_to_fastest_candidate() -> None:
 
 
 def test_hardware_table_overrides_and_default() -> None:
-    from picker.state.hardware import HardwareClass
+    from kv_picker.state.hardware import HardwareClass
 
     table = HardwareTable({"MI300X": HardwareClass("MI300X", 1.3, 1.6, 2.4)}, default_class="A100")
     assert table.of({HARDWARE_CLASS_LABEL: "MI300X"}).decode_speed == 1.6

@@ -16,20 +16,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.config import parse_config
-from picker.director import Director
-from picker.errors import ConfigError
-from picker.handlers.body import parse_request
-from picker.handlers.extproc import ExternalProcessor
-from picker.metrics import PickerMetrics
-from picker.scheduling.registry import builtin_registry
-from picker.scheduling.scheduler import Scheduler
-from picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS
-from picker.scheduling.types import LLMRequest, ProfileResult, SchedulingResult
-from picker.state.endpoints import EndpointStore
-from picker.state.kv_index import EventKeys, KVBlockIndex
-from picker.state.tokenization import PromptTokenizer, TokenizerError
-from scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from kv_picker.config import parse_config
+from kv_picker.director import Director
+from kv_picker.errors import ConfigError
+from kv_picker.handlers.body import parse_request
+from kv_picker.handlers.extproc import ExternalProcessor
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS
+from kv_picker.scheduling.types import LLMRequest, ProfileResult, SchedulingResult
+from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from kv_picker.state.endpoints import EndpointStore
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.tokenization import PromptTokenizer, TokenizerError
 from tests.fakes import ManualClock, make_context, make_store
 
 TOKENIZER = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tokenizer")

@@ -2,10 +2,13 @@ from collections import Counter
 
 import pytest
 
-from picker.scheduling.types import ProfileResult, SchedulingResult
-from scorers.kv_cache_utilization import KVCacheUtilizationParams, KVCacheUtilizationScorer
-from scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
-from scorers.queue import QueueParams, QueueScorer
+from kv_picker.scheduling.types import ProfileResult, SchedulingResult
+from kv_picker.scorers.kv_cache_utilization import (
+    KVCacheUtilizationParams,
+    KVCacheUtilizationScorer,
+)
+from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from kv_picker.scorers.queue import QueueParams, QueueScorer
 from tests.fakes import ManualClock, make_context, make_request, make_scheduler, make_store
 
 

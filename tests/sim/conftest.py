@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from benchmarks.sim import SimEndpoint, SimEndpointConfig, start_sim_endpoint
+from kv_picker_bench.sim import SimEndpoint, SimEndpointConfig, start_sim_endpoint
 
 # Fast enough for tests (a 20 ms model step sleeps 0.2 ms) while keeping steps ordered in time.
 TEST_TIME_SCALE = 0.01

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim.cache import BlockHasher, PrefixCache, StoredBlock
+from kv_picker_bench.sim.cache import BlockHasher, PrefixCache, StoredBlock
 
 
 @dataclass

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim import ENDPOINT_HEADER, build_parser, main
+from kv_picker_bench.sim import ENDPOINT_HEADER, build_parser, main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.sim", "--port", "0", "--time-scale", "0.01", *args],
+        [sys.executable, "-m", "kv_picker_bench.sim", "--port", "0", "--time-scale", "0.01", *args],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -10,8 +10,8 @@ from itertools import pairwise
 
 import pytest
 
-from benchmarks.sim.cache import StoredBlock
-from benchmarks.sim.engine import (
+from kv_picker_bench.sim.cache import StoredBlock
+from kv_picker_bench.sim.engine import (
     HARDWARE_CLASSES,
     EngineConfig,
     FinishedRequest,

@@ -12,17 +12,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from benchmarks.sim import SimEndpoint
-from benchmarks.sim.events import END_SEQ
-from picker.sources.kv_events import (
+from kv_picker.sources.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_payload,
     decode_seq,
 )
-from picker.state.block_keys import VllmBlockHasher
-from picker.state.tokenization import PromptTokenizer
+from kv_picker.state.block_keys import VllmBlockHasher
+from kv_picker.state.tokenization import PromptTokenizer
+from kv_picker_bench.sim import SimEndpoint
+from kv_picker_bench.sim.events import END_SEQ
 from tests.sim.conftest import StartEndpoint
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "benchmarks" / "tokenizer"

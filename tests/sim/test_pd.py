@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from benchmarks.sim import SimEndpointConfig, start_sim_endpoint
-from benchmarks.sim.engine import EngineConfig, SimEngine
-from picker.localstack import free_port
+from kv_picker_bench.localstack import free_port
+from kv_picker_bench.sim import SimEndpointConfig, start_sim_endpoint
+from kv_picker_bench.sim.engine import EngineConfig, SimEngine
 
 PROMPT = "a long shared document about caches " * 200  # ~1,500 tokens
 

@@ -12,7 +12,7 @@ import pytest
 from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.sim import ENDPOINT_HEADER, SimEndpoint, SimEndpointConfig, start_sim_endpoint
+from kv_picker_bench.sim import ENDPOINT_HEADER, SimEndpoint, SimEndpointConfig, start_sim_endpoint
 
 StartEndpoint = Callable[..., Awaitable[SimEndpoint]]
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.sim.tokenizer import (
+from kv_picker_bench.sim.tokenizer import (
     IM_END_ID,
     IM_START_ID,
     RESERVED_IDS,

@@ -10,8 +10,8 @@ from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.handlers.extproc import RequestStream
-from picker.wire import BODY_CHUNK_LIMIT_BYTES
+from kv_picker.handlers.extproc import RequestStream
+from kv_picker.wire import BODY_CHUNK_LIMIT_BYTES
 from tests.fakes import make_director, make_store
 
 Mode = processing_mode_pb2.ProcessingMode

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from picker.errors import BadRequestError, ConfigError, SaturatedError
-from picker.handlers.extproc import RequestStream
-from picker.scheduling.signals import PREFIX_MATCH
-from picker.state.endpoints import ROLE_LABEL
+from kv_picker.errors import BadRequestError, ConfigError, SaturatedError
+from kv_picker.handlers.extproc import RequestStream
+from kv_picker.scheduling.signals import PREFIX_MATCH
+from kv_picker.state.endpoints import ROLE_LABEL
 from tests.fakes import ManualClock, make_director, make_request, make_scheduler, make_store
 from tests.picker.handlers.test_extproc_stream import body_message, headers_message, run
 

@@ -3,8 +3,8 @@ from collections import Counter
 
 import pytest
 
-from picker.errors import SaturatedError
-from picker.scheduling.pickers import MaxScorePicker, PickerParams, WeightedRandomPicker
+from kv_picker.errors import SaturatedError
+from kv_picker.scheduling.pickers import MaxScorePicker, PickerParams, WeightedRandomPicker
 from tests.fakes import make_context, make_request, make_scheduler, make_store
 
 

@@ -15,10 +15,8 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim.cache import StoredBlock
-from benchmarks.sim.events import KVEventPublisher, encode_batch, encode_removed, encode_stored
-from picker.metrics import PickerMetrics
-from picker.sources.kv_events import (
+from kv_picker.metrics import PickerMetrics
+from kv_picker.sources.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,7 +28,9 @@ from picker.sources.kv_events import (
     decode_seq,
     parse_topic,
 )
-from picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker_bench.sim.cache import StoredBlock
+from kv_picker_bench.sim.events import KVEventPublisher, encode_batch, encode_removed, encode_stored
 from tests.fakes import make_store
 
 HASH = 3236607068019569386  # sha256_cbor block 0 of tokens 1..16, PYTHONHASHSEED "0"

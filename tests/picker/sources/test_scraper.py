@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from picker.sources.scraper import MetricsParseError, parse_vllm_metrics
+from kv_picker.sources.scraper import MetricsParseError, parse_vllm_metrics
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,8 +1,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.state.approx_index import ApproximatePrefixIndex
-from picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.approx_index import ApproximatePrefixIndex
+from kv_picker.state.hashing import char_block_keys, request_seed
 
 
 def brute_force_runs(

@@ -9,8 +9,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim.cache import BlockHasher
-from picker.state.block_keys import (
+from kv_picker.state.block_keys import (
     HASH_ALGOS,
     VllmBlockHasher,
     cbor_canonical,
@@ -18,6 +17,7 @@ from picker.state.block_keys import (
     chain_root,
     wire_hash,
 )
+from kv_picker_bench.sim.cache import BlockHasher
 
 TOKENS = list(range(1, 33))  # two blocks of 16, PYTHONHASHSEED "0" (reference notes §2.6)
 

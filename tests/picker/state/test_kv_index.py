@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.state.block_keys import chain_keys, chain_root
-from picker.state.kv_index import (
+from kv_picker.state.block_keys import chain_keys, chain_root
+from kv_picker.state.kv_index import (
     DROP_BLOCK_SIZE,
     DROP_EXTRA_KEYS,
     DROP_LORA_ID,

@@ -1,6 +1,6 @@
 """Smoke run of the KV-index benchmark (small sizes, Redis included)."""
 
-from benchmarks.kv_index_bench import format_result, run
+from kv_picker_bench.kv_index_bench import format_result, run
 
 
 def test_kv_index_benchmark_smoke() -> None:

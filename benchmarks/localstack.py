@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from picker.wire import DESTINATION_HEADER
+from kv_picker.wire import DESTINATION_HEADER
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 
@@ -372,7 +372,7 @@ class LocalStack:
             argv = [
                 sys.executable,
                 "-m",
-                "benchmarks.sim",
+                "kv_picker_bench.sim",
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -463,7 +463,15 @@ class LocalStack:
             self.picker.stop()
             self.processes.remove(self.picker)
         path = self.write_picker_config(picker_config)
-        argv = [sys.executable, "-m", "picker", "serve", *self.picker_args, "--config", str(path)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kv_picker",
+            "serve",
+            *self.picker_args,
+            "--config",
+            str(path),
+        ]
         self.picker = ManagedProcess("kv-picker", argv, self.workdir / "picker.log")
         self.processes.append(self.picker)
         wanted = len(self.sim_addresses) if min_ready is None else min_ready
