@@ -36,9 +36,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
 from kv_picker.sources.kv_events import KVEventSubscriber, PublisherAddress, SubscriberSettings
-from kv_picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import EventKeys, KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker_bench.sim.events import encode_batch, encode_removed, encode_stored

@@ -13,8 +13,9 @@ import grpc
 
 from kv_picker.api import admin_pb2, admin_pb2_grpc
 from kv_picker.director import Director
-from kv_picker.errors import PickerError
-from kv_picker.scheduling.types import LLMRequest, SchedulingResult
+from kv_picker.errors import InternalError, PickerError
+from kv_picker.request import LLMRequest
+from kv_picker.scheduling.framework import SchedulingResult
 
 # The one table from picker errors to gRPC status codes for the admin API.
 _STATUS_BY_HTTP = {
@@ -65,11 +66,10 @@ async def dry_run(
     """
     request_headers = {k.lower(): v for k, v in (headers or {}).items()}
     request_headers[":path"] = path or infer_path(body)
-    request = director.parse(body, request_headers)
-    preparing = director.prepare(request)
-    if preparing is not None:
-        await preparing
-    result = director.schedule(request, None, explain=True, record=False)
+    routed = await director.route_body(body, request_headers, dry_run=True, explain=True)
+    request, result = routed.request, routed.result
+    if request is None or result is None:  # route_body always sets both
+        raise InternalError("the dry run returned no scheduling result")
     return explanation(request, result)
 
 

@@ -24,21 +24,37 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from kv_picker.decode import INTERNAL, Check, Duration, Positive, Range, key
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import BadRequestError, SaturatedError
-from kv_picker.scheduling.types import LLMRequest
-from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.request import LLMRequest
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.wire import OBJECTIVE_HEADERS
+
+
+def _header_name(name: str) -> bool:
+    return bool(name) and name == name.lower()
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    queue_depth_threshold: float = 5.0
-    kv_cache_util_threshold: float = 0.8
-    staleness_s: float | None = None  # None: the metrics section's staleness bound
-    priority_header: str = "x-kv-picker-priority"
-    objectives: Mapping[str, int] = field(default_factory=dict)
-    model_priorities: Mapping[str, int] = field(default_factory=dict)
+    """The ``admission`` section, plus the priorities ``objectives`` and ``models`` give."""
+
+    queue_depth_threshold: Annotated[float, Positive] = 5.0
+    kv_cache_util_threshold: Annotated[float, Range(gt=0, le=1)] = field(
+        default=0.8, metadata=key("kvCacheUtilThreshold")
+    )
+    # None: the metrics section's staleness bound.
+    staleness_s: Annotated[Duration, Positive] | None = field(
+        default=None, metadata=key("metricsStalenessThreshold")
+    )
+    priority_header: Annotated[str, Check(_header_name, "must be a lower-case header name")] = (
+        "x-kv-picker-priority"
+    )
+    objectives: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
+    model_priorities: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
 
 
 class Admission:

@@ -34,10 +34,10 @@ from kv_picker.director import Director
 from kv_picker.errors import ConfigError
 from kv_picker.handlers.extproc import ExternalProcessor
 from kv_picker.metrics import PickerMetrics
-from kv_picker.scheduling.registry import Registry, builtin_registry
+from kv_picker.plugins import builtin_registry
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.scheduling.types import BuildContext
-from kv_picker.scorers.prefix_cache import PrefixCacheScorer
 from kv_picker.sources.kv_events import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
@@ -86,6 +86,7 @@ class PickerApp:
         )
         scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
         self.director = Director(config, self.store, scheduler, self.ctx.rng, self.metrics)
+        self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
         self.scraper = MetricsScraper(
             self.store,
             self.metrics,
@@ -231,6 +232,8 @@ class PickerApp:
             self.ctx.metrics_staleness_s = config.metrics.staleness_s
         self.store.set_endpoints(config.endpoints)
         self.director.swap(config, scheduler)
+        # What the old config kept across reloads and the new one does not use goes now.
+        self.ctx.shared.release_unused(scheduler.shared_keys)
         self.metrics.config_reloads.labels("applied").inc()
         log.info("config reloaded from %s", self.config_path)
         return True
@@ -238,16 +241,6 @@ class PickerApp:
     # -- HTTP -------------------------------------------------------------------------------
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
-        for plugin in self.director.scheduler.plugins.values():
-            if isinstance(plugin, PrefixCacheScorer) and plugin.precise is not None:
-                precise = plugin.precise
-                if precise.queried_blocks:
-                    self.metrics.kv_index_hit_ratio.set(precise.hit_blocks / precise.queried_blocks)
-            elif isinstance(plugin, PrefixCacheScorer):
-                index = plugin.index
-                self.metrics.prefix_index_keys.set(len(index))
-                if index.queried_blocks:
-                    self.metrics.prefix_index_hit_ratio.set(index.hit_blocks / index.queried_blocks)
         if self.kv_index is not None:
             self.metrics.kv_index_blocks.set(self.kv_index.num_blocks())
             if not isinstance(self.kv_index, RedisKVIndex):

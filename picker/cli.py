@@ -55,7 +55,7 @@ def _setup_logging(level: str) -> None:
 
 def _load(path: str | None):  # type: ignore[no-untyped-def]
     from kv_picker.config import PickerConfig, load_config
-    from kv_picker.scheduling.registry import builtin_registry
+    from kv_picker.plugins import builtin_registry
 
     registry = builtin_registry()
     return (load_config(path, registry) if path else PickerConfig()), registry

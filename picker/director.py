@@ -1,7 +1,18 @@
-"""The director: from a complete request to a pick, and the in-flight accounting around it.
+"""The director owns a request's life in the picker, from the parsed body to the end of its
+response, whoever drives it: the ext_proc handler, the Admin API's dry run, or the benchmark
+harness's offline simulator.
 
-It owns no protocol: ``handlers/`` speaks ext_proc and calls these methods; the benchmark
-harness and ``kv-picker explain`` call them too.
+```
+parse(body, headers) ─> LLMRequest
+prepare(request)     ─> awaitable | None      plugins' async work (tokenize, fetch)
+route(request, metadata) ─> RoutedRequest     candidates → admission → schedule → the pick:
+   │                                          in-flight slot taken, queued prefill counted
+   ├── first_byte()                           the prompt has been processed: prefill done
+   └── finish()                               the response ended: slot released (once)
+```
+
+Nothing here speaks a protocol: ``handlers/`` maps :class:`~kv_picker.errors.PickerError` to
+HTTP responses, and only it knows Envoy.
 """
 
 from __future__ import annotations
@@ -13,20 +24,90 @@ from typing import Any
 
 from kv_picker.admission import Admission
 from kv_picker.config import PickerConfig
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
 from kv_picker.handlers.body import parse_request
 from kv_picker.metrics import PickerMetrics
+from kv_picker.request import LLMRequest
+from kv_picker.scheduling.framework import SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.scheduling.signals import uncached_prompt_tokens
-from kv_picker.scheduling.types import LLMRequest, Prepare, SchedulingResult
-from kv_picker.state.endpoints import Endpoint, EndpointStore
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
 
+ROUTED = "routed"
+DISAGGREGATED = "disaggregated"
+PASSTHROUGH = "passthrough"
+
+
+class RoutedRequest:
+    """A request the director routed: where it goes, and its accounting until it ends.
+
+    Attributes:
+        request: the request (its prompt already dropped once routed for real).
+        endpoint: the destination.
+        prefill_endpoint: the endpoint computing the prompt, when it is not the destination.
+        result: every profile's scores and picks (None for a body-less request).
+        outcome: ``routed``, ``disaggregated`` or ``passthrough``.
+        dry_run: nothing was counted; :meth:`first_byte` and :meth:`finish` do nothing.
+    """
+
+    __slots__ = (
+        "_director",
+        "_finished",
+        "_prefill",
+        "dry_run",
+        "endpoint",
+        "outcome",
+        "prefill_endpoint",
+        "request",
+        "result",
+    )
+
+    def __init__(
+        self,
+        director: Director,
+        request: LLMRequest | None,
+        endpoint: Endpoint,
+        prefill_endpoint: Endpoint | None,
+        result: SchedulingResult | None,
+        outcome: str,
+        dry_run: bool,
+    ) -> None:
+        self._director = director
+        self.request = request
+        self.endpoint = endpoint
+        self.prefill_endpoint = prefill_endpoint
+        self.result = result
+        self.outcome = outcome
+        self.dry_run = dry_run
+        self._prefill: tuple[Endpoint, float] | None = None
+        self._finished = dry_run
+
+    def first_byte(self) -> None:
+        """The first response byte: the prompt has been processed, its prefill is no longer
+        queued work (idempotent)."""
+        prefill, self._prefill = self._prefill, None
+        if prefill is not None:
+            self._director._end_prefill(*prefill)
+
+    def finish(self) -> None:
+        """The response ended, or the stream closed: release the in-flight slot (once)."""
+        self.first_byte()
+        if self._finished:
+            return
+        self._finished = True
+        self._director._release(self.endpoint)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
 
 class Director:
-    """Candidates, scheduling and in-flight accounting.
+    """Candidates, admission, scheduling and the accounting around a pick.
 
     Args:
         config: the validated config (models, body limit).
@@ -50,11 +131,9 @@ class Director:
         self.rng = rng
         self.metrics = metrics
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
-        self._preparers: list[Prepare] = []
-        self._preparers_of: Scheduler | None = None
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
-        """Adopt a new config; requests already scheduled keep their picks."""
+        """Adopt a new config; requests already routed keep their picks."""
         self.config = config
         self.scheduler = scheduler
         self.admission = Admission(config.admission, self.store, config.metrics.staleness_s)
@@ -62,6 +141,36 @@ class Director:
     @property
     def max_body_bytes(self) -> int:
         return self.config.server.max_body_bytes
+
+    # -- before the pick --------------------------------------------------------------------
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> LLMRequest:
+        """The typed request of a complete body.
+
+        Raises:
+            RequestError: 400 or 404, with the reason.
+        """
+        return parse_request(body, headers, self.config.models)
+
+    def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
+        """Async work plugins need before :meth:`route`, or None when there is none.
+
+        The caller awaits the result (if any), then routes; see
+        :class:`~kv_picker.scheduling.framework.Prepare`. It never raises: a plugin that could
+        not prepare gives no signal for this request.
+        """
+        pending: list[Awaitable[None]] | None = None
+        for plugin in self.scheduler.preparers:
+            try:
+                awaitable = plugin.prepare(request)
+            except Exception:
+                log.exception("request %s: prepare of a plugin failed", request.request_id)
+                continue
+            if awaitable is not None:
+                if pending is None:
+                    pending = []
+                pending.append(awaitable)
+        return None if pending is None else _await_all(request.request_id, pending)
 
     def candidates(self, metadata: Mapping[str, Any] | None) -> list[Endpoint]:
         """Ready endpoints, narrowed to the gateway's subset hint when one is given.
@@ -79,56 +188,29 @@ class Director:
             raise NoEndpointsError("no ready endpoint in the pool")
         return list(ready)
 
-    def pick_bodyless(self, metadata: Mapping[str, Any] | None) -> Endpoint:
-        """A request without a body (GET and the like) goes to a random ready endpoint."""
-        candidates = self.candidates(metadata)
-        return candidates[self.rng.randrange(len(candidates))]
+    # -- the pick ---------------------------------------------------------------------------
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> LLMRequest:
-        return parse_request(body, headers, self.config.models)
-
-    def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
-        """Async work plugins need before :meth:`schedule`, or None when there is none.
-
-        The caller awaits the result (if any), then schedules; see ``types.Prepare``. It never
-        raises: a plugin that could not prepare gives no signal for this request.
-        """
-        scheduler = self.scheduler
-        if self._preparers_of is not scheduler:
-            self._preparers = [p for p in scheduler.plugins.values() if isinstance(p, Prepare)]
-            self._preparers_of = scheduler
-        pending: list[Awaitable[None]] | None = None
-        for plugin in self._preparers:
-            try:
-                awaitable = plugin.prepare(request)
-            except Exception:
-                log.exception("prepare of plugin %r failed", plugin.name)
-                continue
-            if awaitable is not None:
-                if pending is None:
-                    pending = []
-                pending.append(awaitable)
-        return None if pending is None else _await_all(pending)
-
-    def schedule(
+    def route(
         self,
         request: LLMRequest,
-        metadata: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        dry_run: bool = False,
         explain: bool = False,
-        record: bool = True,
-    ) -> SchedulingResult:
-        """Run the scheduler for a parsed request.
+    ) -> RoutedRequest:
+        """Admit and schedule a parsed (and prepared) request; take its in-flight slot.
 
         Args:
             request: the parsed request.
             metadata: the stream's filter metadata (subset hint).
+            dry_run: change nothing: no slot, no index update, no decision counted.
             explain: keep every scorer's scores in the result.
-            record: count the decision in metrics and run post-pick hooks (index updates);
-                False for a dry run that must leave no trace.
 
         Raises:
-            PickerError: no endpoints (503), all filtered out (429), or an internal error.
+            PickerError: shed or filtered out (429), no endpoints (503), or an internal error
+                (500, whose message carries the request id only).
         """
+        record = not dry_run
         candidates = self.candidates(metadata)
         try:
             saturation = self.admission.admit(request, candidates)
@@ -147,51 +229,90 @@ class Director:
         except PickerError:
             raise
         except Exception as exc:  # a plugin bug must not take the stream down
-            raise InternalError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
+            log.exception("request %s: scheduling failed", request.request_id)
+            raise InternalError(
+                f"internal error while scheduling (request id {request.request_id})"
+            ) from exc
         if not result.primary.targets:
-            raise InternalError("the picker returned no endpoint")
-        return result
+            log.error("request %s: the picker returned no endpoint", request.request_id)
+            raise InternalError(f"internal error: no endpoint (request id {request.request_id})")
+        endpoint = result.destination
+        prefill_endpoint = result.prefill_endpoint
+        if prefill_endpoint is endpoint:
+            prefill_endpoint = None
+        outcome = DISAGGREGATED if prefill_endpoint is not None else ROUTED
+        handle = RoutedRequest(self, request, endpoint, prefill_endpoint, result, outcome, dry_run)
+        if dry_run:
+            return handle
+        # Queued prefill work, counted where the prompt will be computed.
+        target = prefill_endpoint or endpoint
+        tokens = uncached_prompt_tokens(request, target.id)
+        self.store.add_prefill(target.id, tokens)
+        handle._prefill = (target, tokens)
+        self._take(endpoint, request.model, outcome)
+        for profile, profile_result in result.profile_results.items():
+            if profile_result.targets:
+                self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
+        request.drop_payload()
+        return handle
+
+    def route_bodyless(self, metadata: Mapping[str, Any] | None) -> RoutedRequest:
+        """A request without a body (GET and the like) goes to a random ready endpoint."""
+        candidates = self.candidates(metadata)
+        endpoint = candidates[self.rng.randrange(len(candidates))]
+        self._take(endpoint, "", PASSTHROUGH)
+        return RoutedRequest(self, None, endpoint, None, None, PASSTHROUGH, False)
+
+    async def route_body(
+        self,
+        body: bytes,
+        headers: Mapping[str, str],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        dry_run: bool = False,
+        explain: bool = False,
+    ) -> RoutedRequest:
+        """:meth:`parse`, :meth:`prepare` and :meth:`route` in one call."""
+        request = self.parse(body, headers)
+        preparing = self.prepare(request)
+        if preparing is not None:
+            await preparing
+        return self.route(request, metadata, dry_run=dry_run, explain=explain)
 
     def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Headers the plugins add to the response for ``request`` served by ``endpoint``."""
         try:
             return self.scheduler.response_headers(request, endpoint)
         except Exception:  # a plugin bug must not break a response already under way
-            log.exception("response header plugin failed")
+            log.exception("request %s: response header plugin failed", request.request_id)
             return []
 
-    def begin_prefill(
-        self, request: LLMRequest, endpoint: Endpoint, prefill_endpoint: Endpoint | None
-    ) -> tuple[Endpoint, float]:
-        """Count the request's uncached prompt as queued prefill work where it will run.
+    # -- accounting (through RoutedRequest) -------------------------------------------------
 
-        Under P/D the prefill endpoint computes the prompt; otherwise the destination does.
-        Returns what :meth:`end_prefill` takes once the prefill is over.
-        """
-        target = prefill_endpoint or endpoint
-        tokens = uncached_prompt_tokens(request, target.id)
-        self.store.add_prefill(target.id, tokens)
-        return target, tokens
-
-    def end_prefill(self, endpoint: Endpoint, tokens: float) -> None:
-        if self.store.get(endpoint.id) is endpoint:
-            self.store.prefill_done(endpoint.id, tokens)
-
-    def begin(self, endpoint: Endpoint) -> None:
+    def _take(self, endpoint: Endpoint, model: str, outcome: str) -> None:
         self.store.in_flight[endpoint.id] += 1
+        self.metrics.running.inc()
+        self.metrics.requests.labels(self.metrics.model_label(model), outcome).inc()
 
-    def finish(self, endpoint: Endpoint) -> None:
+    def _release(self, endpoint: Endpoint) -> None:
+        self.metrics.running.dec()
         # The endpoint may have left the pool (and its id been reused) meanwhile.
         if self.store.get(endpoint.id) is endpoint and self.store.in_flight[endpoint.id] > 0:
             self.store.in_flight[endpoint.id] -= 1
 
+    def _end_prefill(self, endpoint: Endpoint, tokens: float) -> None:
+        if self.store.get(endpoint.id) is endpoint:
+            self.store.prefill_done(endpoint.id, tokens)
 
-async def _await_all(pending: list[Awaitable[None]]) -> None:
+
+async def _await_all(request_id: str, pending: list[Awaitable[None]]) -> None:
     for awaitable in pending:
         try:
             await awaitable
         except Exception:
-            log.exception("preparing a request failed: scheduling without that signal")
+            log.exception(
+                "request %s: preparing failed; scheduling without that signal", request_id
+            )
 
 
 def _subset_hint(metadata: Mapping[str, Any] | None) -> frozenset[str] | None:

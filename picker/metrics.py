@@ -6,7 +6,15 @@ per test), never as module globals. Label sets are defined here and nowhere else
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kv_picker.scheduling.framework import PluginGauge
+
+PluginGaugeSource = Callable[[], Sequence[tuple[str, PluginGauge]]]
 
 # Scheduling is sub-millisecond; request latency is seconds to minutes.
 _SCHEDULING_BUCKETS_S = (
@@ -25,6 +33,7 @@ _SCHEDULING_BUCKETS_S = (
 _REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
+METRIC_PREFIX = "kv_picker_"
 REQUEST_LABELS = ("model", "outcome")
 # The model label comes from request bodies: cap its distinct values so a client cannot grow
 # the exposition without bound.
@@ -131,16 +140,6 @@ class PickerMetrics:
             ENDPOINT_LABELS,
             registry=r,
         )
-        self.prefix_index_keys = Gauge(
-            "kv_picker_prefix_index_keys",
-            "Distinct block keys in the approximate prefix index.",
-            registry=r,
-        )
-        self.prefix_index_hit_ratio = Gauge(
-            "kv_picker_prefix_index_hit_ratio",
-            "Blocks matched over blocks looked up in the approximate prefix index, [0,1].",
-            registry=r,
-        )
         self.admission = Counter(
             "kv_picker_admission_decisions",
             "Admission decisions (admitted, admitted-sheddable, shed).",
@@ -167,11 +166,6 @@ class PickerMetrics:
         self.kv_index_keys = Gauge(
             "kv_picker_kv_index_keys",
             "Distinct block keys in the precise KV index (in-process backend).",
-            registry=r,
-        )
-        self.kv_index_hit_ratio = Gauge(
-            "kv_picker_kv_index_hit_ratio",
-            "Best candidate's matched blocks over blocks looked up in the precise index, [0,1].",
             registry=r,
         )
         self.kv_index_evictions = Counter(
@@ -215,6 +209,11 @@ class PickerMetrics:
             registry=r,
         )
 
+    def collect_plugin_gauges(self, source: PluginGaugeSource) -> None:
+        """Export the gauges plugins report (:class:`~kv_picker.scheduling.framework.
+        CollectsMetrics`), read from ``source`` on every scrape, labelled by plugin name."""
+        self.registry.register(_PluginGauges(source))
+
     def model_label(self, model: str) -> str:
         """``model`` as a label value, or ``other`` once the cap of distinct models is reached."""
         seen = self._model_labels
@@ -227,3 +226,26 @@ class PickerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PluginGauges(Collector):
+    """One gauge family per metric name the plugins report, one sample per plugin."""
+
+    def __init__(self, source: PluginGaugeSource) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # the names depend on the running config's plugins
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for plugin, gauge in self._source():
+            if not gauge.name.startswith(METRIC_PREFIX):
+                continue  # a plugin may not write outside the picker's namespace
+            family = families.get(gauge.name)
+            if family is None:
+                family = families[gauge.name] = GaugeMetricFamily(
+                    gauge.name, gauge.documentation, labels=("plugin",)
+                )
+            family.add_metric((plugin,), gauge.value)
+        yield from families.values()

@@ -8,6 +8,7 @@ from kv_picker.scorers.hardware_class import HardwareClassScorer
 from kv_picker.scorers.kv_cache_utilization import KVCacheUtilizationScorer
 from kv_picker.scorers.load_aware import LoadAwareScorer
 from kv_picker.scorers.lora_affinity import LoraAffinityScorer
+from kv_picker.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
 from kv_picker.scorers.prefix_cache import PrefixCacheScorer
 from kv_picker.scorers.queue import QueueScorer
@@ -15,6 +16,7 @@ from kv_picker.scorers.session_affinity import SessionAffinityScorer
 
 BUILTIN_SCORERS = (
     PrefixCacheScorer,
+    PrecisePrefixCacheScorer,
     QueueScorer,
     KVCacheUtilizationScorer,
     ActiveRequestScorer,
@@ -32,6 +34,7 @@ __all__ = [
     "KVCacheUtilizationScorer",
     "LoadAwareScorer",
     "LoraAffinityScorer",
+    "PrecisePrefixCacheScorer",
     "PredictedLatencyScorer",
     "PrefixCacheScorer",
     "QueueScorer",

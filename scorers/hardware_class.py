@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import Endpoint
+from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
 from kv_picker.state.hardware import HardwareClass, HardwareTable
 
 _PHASES = ("prefill", "decode", "both")

@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
 from kv_picker.scheduling.signals import uncached_prompt_tokens
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import Endpoint
 
 _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at all
 

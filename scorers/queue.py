@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kv_picker.scheduling.types import BuildContext, LLMRequest
+from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
 from kv_picker.scorers._minmax import write_min_max_inverse
-from kv_picker.state.endpoints import Endpoint
 
 _STALE_LOAD = float("inf")
 

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import Endpoint
+from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
 
 DEFAULT_HEADER = "x-session-token"
 

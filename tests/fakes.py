@@ -8,11 +8,13 @@ from typing import Any
 
 from kv_picker.config import PickerConfig, parse_config
 from kv_picker.director import Director
+from kv_picker.endpoint import EndpointSpec
 from kv_picker.metrics import PickerMetrics
-from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.plugins import builtin_registry
+from kv_picker.request import LLMRequest, Prompt
+from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import EndpointSpec, EndpointStore
+from kv_picker.state.endpoints import EndpointStore
 
 
 class ManualClock:
@@ -54,13 +56,13 @@ def make_store(
 
 
 def make_request(prompt: str = "hello world " * 40, **fields: Any) -> LLMRequest:
+    """A completions request whose prompt text is ``prompt`` (``kind=`` to change the kind)."""
     fields.setdefault("model", "m")
     fields.setdefault("target_model", fields["model"])
     return LLMRequest(
         request_id=fields.pop("request_id", "r1"),
         path=fields.pop("path", "/v1/completions"),
-        kind=fields.pop("kind", "completions"),
-        prompt=prompt,
+        prompt=Prompt(fields.pop("kind", "completions"), prompt),
         **fields,
     )
 

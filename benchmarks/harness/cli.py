@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_picker.config import parse_duration_s
+from kv_picker.decode import parse_duration_s
 from kv_picker.errors import ConfigError
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
 from kv_picker_bench.harness.report import (

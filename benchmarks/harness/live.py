@@ -45,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.plugins import builtin_registry
 from kv_picker_bench.client import Outcome, send
 from kv_picker_bench.harness.policies import Policy
 from kv_picker_bench.harness.report import (

@@ -60,12 +60,14 @@ from typing import Any, ClassVar
 import yaml
 
 from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, PickerConfig, parse_config
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
-from kv_picker.scheduling.registry import Registry, builtin_registry
+from kv_picker.plugins import builtin_registry
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest, SchedulingResult
+from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.signals import PROMPT_TOKENS
-from kv_picker.scheduling.types import BuildContext, LLMRequest, SchedulingResult
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.endpoints import Endpoint
 from kv_picker.state.hashing import char_block_keys, request_seed
 from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
 
@@ -130,7 +132,9 @@ class SGLangCacheAwarePicker:
         keys: list[int] | None = request.state.get(_SGLANG_KEYS)
         if keys is None:
             seed = request_seed(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = char_block_keys(request.prompt.encode(), seed, self.params.blockSizeChars, 0)
+            keys = char_block_keys(
+                request.prompt.text.encode(), seed, self.params.blockSizeChars, 0
+            )
             request.state[_SGLANG_KEYS] = keys
         return keys
 
@@ -153,9 +157,10 @@ class SGLangCacheAwarePicker:
         for endpoint in candidates:
             mask |= 1 << endpoint.id
         runs = self.index.match_runs(keys, mask) if keys else {}
-        if runs and request.prompt:
+        prompt_chars = len(request.prompt.text)
+        if runs and prompt_chars:
             best = max(runs.values())
-            match_rate = best * params.blockSizeChars / len(request.prompt)
+            match_rate = best * params.blockSizeChars / prompt_chars
             if match_rate > params.cacheThreshold:
                 self.cache_decisions += 1
                 matched = [e for e in candidates if runs.get(e.id) == best]
@@ -266,13 +271,13 @@ class DynamoCostPicker:
     def _keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] | None = request.state.get(BLOCK_KEYS_STATE)
         if keys is None:  # no tokens: stand in 4-character tokens of the prompt text
-            keys = char_block_keys(request.prompt.encode(), 0, 4 * self.params.blockSize, 0)
+            keys = char_block_keys(request.prompt.text.encode(), 0, 4 * self.params.blockSize, 0)
             request.state[BLOCK_KEYS_STATE] = keys
         return keys
 
     def _input_tokens(self, request: LLMRequest) -> int:
         tokens = request.state.get(PROMPT_TOKENS)
-        return int(tokens) if tokens is not None else max(1, len(request.prompt) // 4)
+        return int(tokens) if tokens is not None else max(1, len(request.prompt.text) // 4)
 
     def pick(
         self, request: LLMRequest, candidates: Sequence[Endpoint], totals: Sequence[float]

@@ -21,20 +21,21 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
   and hardware classes, and the same :class:`~kv_picker_bench.sim.cache.PrefixCache` (exact block
   accounting, LRU eviction of unreferenced blocks, per-endpoint capacity).
 - Routing goes through the service's own code: each policy is an EndpointPickerConfig document
-  parsed by :func:`kv_picker.config.parse_config` and run by :class:`kv_picker.scheduling.scheduler.
-  Scheduler`. The simulator owns the clock handed to the :class:`~kv_picker.state.endpoints.
-  EndpointStore` and the build context, writes scraped metrics into the store on a simulated
-  scrape schedule (so scorers see values up to one interval old, like a real scrape), keeps the
-  store's in-flight counts, and delivers the caches' KV events (optionally delayed) to plugins
-  that subscribe to them.
+  parsed by :func:`kv_picker.config.parse_config`, built into a
+  :class:`~kv_picker.scheduling.scheduler.Scheduler`, and every request is routed by the
+  service's :class:`~kv_picker.director.Director` (admission and shedding included). The
+  simulator owns the clock handed to the :class:`~kv_picker.state.endpoints.EndpointStore` and
+  the build context, writes scraped metrics into the store on a simulated scrape schedule (so
+  scorers see values up to one interval old, like a real scrape), tells each request's handle
+  its first token and its end (the director keeps the in-flight and queued-prefill counts), and
+  delivers the caches' KV events (optionally delayed) to plugins that subscribe to them.
 - P/D: when a policy's profile handler returns a ``prefill`` profile, the prompt runs on the
   prefill endpoint (one output token), then the decode endpoint admits the request, pulls the
   prompt KV it does not hold locally (``latency + bytes / bandwidth``) and decodes.
-- Queued prefill work: as the service's director does, each pick adds the request's uncached
-  prompt tokens (as the policy's prefix scorer saw them) to the store's ``prefill_tokens`` /
-  ``prefill_requests`` of the endpoint that runs the prefill (the prefill endpoint under P/D,
-  else the destination), and the client's first token (or the request's end without one)
-  takes them off again. Token-aware scorers read these arrays; the others never see them.
+- Queued prefill work: the director counts each pick's uncached prompt tokens (as the policy's
+  prefix scorer saw them) on the endpoint that runs the prefill (the prefill endpoint under
+  P/D, else the destination), and the client's first token (or the request's end without one)
+  takes them off again, exactly as in the service.
 
 Deterministic: no randomness besides the policy's own generator, seeded per run.
 """
@@ -54,12 +55,16 @@ from typing import Any, Protocol, runtime_checkable
 import xxhash
 
 from kv_picker.config import PickerConfig, hardware_table
+from kv_picker.director import Director, RoutedRequest
+from kv_picker.endpoint import ROLE_LABEL, EndpointId, EndpointSpec
 from kv_picker.errors import PickerError, SaturatedError
+from kv_picker.metrics import PickerMetrics
+from kv_picker.request import LLMRequest, Prompt
+from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.scheduling.signals import PROMPT_TOKENS, uncached_prompt_tokens
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import ROLE_LABEL, EndpointId, EndpointSpec, EndpointStore
+from kv_picker.scheduling.signals import PROMPT_TOKENS
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from kv_picker_bench.harness.traces import Trace, TraceRequest, prompt_text
 from kv_picker_bench.sim.cache import PrefixCache, StoredBlock
@@ -484,6 +489,11 @@ class ClusterSimulator:
             hardware=hardware_table(picker_config),
         )
         self.scheduler = Scheduler(picker_config, registry, ctx, None)
+        # The service's request lifecycle: admission, the pick, in-flight and queued-prefill
+        # accounting (its metrics go to a registry of the run's own).
+        self.director = Director(
+            picker_config, self.store, self.scheduler, self.rng, PickerMetrics()
+        )
         plugins = list(self.scheduler.plugins.values())
         self.subscribers = [p for p in plugins if isinstance(p, KVEventSubscriber)]
         self.observers = [p for p in plugins if isinstance(p, RequestObserver)]
@@ -504,10 +514,8 @@ class ClusterSimulator:
         self._stamped_scrape_s = -math.inf
         self.num_events = 0
         self.outcomes: list[RequestOutcome] = []
-        self._active = 0
-        # Trace index -> (endpoint running its prefill, uncached tokens counted there) until
-        # the client's first token: what the service's Director.begin_prefill/end_prefill keep.
-        self._prefill_pending: dict[int, tuple[int, float]] = {}
+        # Trace index -> the director's handle, from the pick until the request ends.
+        self._routed: dict[int, RoutedRequest] = {}
         self._timing = config.timing
 
     # ------------------------------------------------------------------------- plumbing
@@ -625,10 +633,10 @@ class ClusterSimulator:
         for engine in self.engines:
             if engine.num_running or engine.waiting:
                 raise AssertionError(f"endpoint {engine.id} still has work after the replay")
-        if self._active:
-            raise AssertionError(f"{self._active} requests never finished")
-        if self._prefill_pending:
-            raise AssertionError(f"{len(self._prefill_pending)} prefills never released")
+        if self._routed:
+            raise AssertionError(f"{len(self._routed)} requests never finished")
+        if any(self.store.in_flight) or any(self.store.prefill_requests):
+            raise AssertionError("in-flight or queued-prefill counts left after the replay")
         extra: dict[str, Any] = {}
         for plugin in self.scheduler.plugins.values():
             for counter in _PLUGIN_COUNTERS:
@@ -656,11 +664,11 @@ class ClusterSimulator:
                 raise AssertionError(f"endpoint {engine.id}: more than max_num_seqs running")
             if self.store.in_flight[engine.id] < 0:
                 raise AssertionError(f"endpoint {engine.id}: negative in-flight count")
-        pending_requests = [0] * len(self.engines)
-        for endpoint_id, _ in self._prefill_pending.values():
-            pending_requests[endpoint_id] += 1
-        if pending_requests != self.store.prefill_requests[: len(self.engines)]:
-            raise AssertionError("the store's queued prefills differ from the pending ones")
+        in_flight = [0] * len(self.engines)
+        for routed in self._routed.values():
+            in_flight[routed.endpoint.id] += 1
+        if in_flight != self.store.in_flight[: len(self.engines)]:
+            raise AssertionError("the store's in-flight counts differ from the open requests")
 
     # ------------------------------------------------------------------------- routing
 
@@ -681,17 +689,15 @@ class ClusterSimulator:
             model=config.model,
             target_model=config.model,
             path="/v1/completions",
-            kind="completions",
-            prompt=prompt,
+            prompt=Prompt("completions", prompt),
             stream=True,
             headers=headers,
             body_size_bytes=len(prompt) + 120,
             state={BLOCK_KEYS_STATE: keys, PROMPT_TOKENS: trace_request.input_tokens},
         )
         self._stamp_scrapes()
-        candidates = list(self.store.ready_endpoints())
         try:
-            result = self.scheduler.schedule(request, candidates)
+            routed = self.director.route(request)
         except SaturatedError as exc:
             outcome.status, outcome.detail = SHED, exc.message
             return
@@ -701,27 +707,17 @@ class ClusterSimulator:
         except Exception as exc:  # a plugin bug: counted, never a crashed replay
             outcome.status, outcome.detail = ERROR, f"{type(exc).__name__}: {exc}"
             return
-        targets = result.primary.targets
-        if not targets:
-            outcome.status, outcome.detail = ERROR, "the picker returned no endpoint"
-            return
-        decode_id = targets[0].id
-        prefill_id = -1
-        prefill = result.profile_results.get("prefill")
-        if prefill is not None and prefill.targets and result.primary_profile != "prefill":
-            prefill_id = prefill.targets[0].id
-            if prefill_id == decode_id:
-                prefill_id = -1
+        self._routed[outcome.index] = routed
+        decode_id = routed.endpoint.id
+        prefill_id = routed.prefill_endpoint.id if routed.prefill_endpoint is not None else -1
         decode_index = decode_id
         outcome.endpoint = decode_index
         num_kv_tokens = trace_request.input_tokens + trace_request.output_tokens - 1
         reason = self._reject_reason(trace_request, num_kv_tokens)
         if reason:
             outcome.status, outcome.detail = REJECTED, reason
+            self._end(outcome.index)
             return
-        self.store.in_flight[decode_id] += 1
-        self._active += 1
-        self._begin_prefill(request, outcome.index, prefill_id if prefill_id >= 0 else decode_id)
         self.engines[decode_index].stats.requests += 1
         if prefill_id >= 0:
             outcome.prefill_endpoint = prefill_id
@@ -750,15 +746,11 @@ class ClusterSimulator:
             )
             self._add(self.engines[decode_index], seq, now_s)
 
-    def _begin_prefill(self, request: LLMRequest, index: int, endpoint_id: int) -> None:
-        tokens = uncached_prompt_tokens(request, endpoint_id)
-        self.store.add_prefill(EndpointId(endpoint_id), tokens)
-        self._prefill_pending[index] = (endpoint_id, tokens)
-
-    def _end_prefill(self, index: int) -> None:
-        pending = self._prefill_pending.pop(index, None)
-        if pending is not None:
-            self.store.prefill_done(EndpointId(pending[0]), pending[1])
+    def _end(self, index: int) -> None:
+        """The request ended (finished, or refused by its endpoint): release its slot."""
+        routed = self._routed.pop(index, None)
+        if routed is not None:
+            routed.finish()
 
     def _reject_reason(self, request: TraceRequest, num_kv_tokens: int) -> str:
         config = self.config
@@ -949,7 +941,9 @@ class ClusterSimulator:
         if seq.leg == 1:
             return  # the prefill leg's token is not the client's
         seq.outcome.first_token_s = now_s
-        self._end_prefill(seq.outcome.index)
+        routed = self._routed.get(seq.outcome.index)
+        if routed is not None:
+            routed.first_byte()
         if seq.request is not None:
             for observer in self.observers:
                 observer.on_first_token(seq.request, engine.id)
@@ -992,11 +986,7 @@ class ClusterSimulator:
 
     def _release_in_flight(self, seq: _Seq) -> None:
         outcome = seq.outcome
-        endpoint_id = outcome.endpoint
-        if self.store.in_flight[endpoint_id] > 0:
-            self.store.in_flight[endpoint_id] -= 1
-        self._active -= 1
-        self._end_prefill(outcome.index)  # a request that ended without a first token
+        self._end(outcome.index)  # releases the prefill too when no first token came
         if seq.request is not None:
             for observer in self.observers:
                 observer.on_finished(seq.request, outcome.endpoint)

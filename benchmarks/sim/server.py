@@ -62,7 +62,14 @@ from kv_picker_bench.sim.engine import (
 )
 from kv_picker_bench.sim.events import ENCODINGS, KVEventPublisher, default_topic
 from kv_picker_bench.sim.metrics import SimMetrics
-from kv_picker_bench.sim.tokenizer import VOCAB_SIZE, decode, decode_token, encode, render_chat
+from kv_picker_bench.sim.tokenizer import (
+    VOCAB_SIZE,
+    content_text,
+    decode,
+    decode_token,
+    encode,
+    render_chat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -644,6 +651,8 @@ class SimEndpoint:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise _BadRequest("'messages' is required and must be a non-empty list")
+            if not all(isinstance(m, dict) for m in messages):
+                raise _BadRequest("each message must be an object")
             tokenizer = self.tokenizer
             try:
                 if tokenizer is None:
@@ -653,10 +662,12 @@ class SimEndpoint:
                     generation_prompt = bool(payload.get("add_generation_prompt", True))
                     if payload.get("continue_final_message"):
                         generation_prompt = False
-                    prompt_token_ids = tokenizer.encode(
-                        tokenizer.render_chat(messages, generation_prompt),
-                        add_special_tokens=False,
+                    # A string content per message, as vLLM hands the template.
+                    rendered = tokenizer.render_chat(
+                        [{**m, "content": content_text(m.get("content"))} for m in messages],
+                        generation_prompt,
                     )
+                    prompt_token_ids = tokenizer.encode(rendered, add_special_tokens=False)
             except ValueError as exc:
                 raise _BadRequest(f"invalid 'messages': {exc}") from None
         else:

@@ -1,15 +1,21 @@
-"""Parse an OpenAI-style request body into an :class:`LLMRequest`.
+"""Parse an OpenAI-style request body, once, into an :class:`~kv_picker.request.LLMRequest`.
 
 Paths (query string ignored, matched by suffix):
 - ``.../chat/completions``: ``messages`` is a non-empty list of ``{role, content}`` where
-  content is a string, a list of content parts (text parts are used), or null.
+  content is a string, a list of content parts, or null.
 - ``.../completions``: ``prompt`` is a string, a list of strings, a list of token ids, or a
   list of token-id lists.
 - anything else with a JSON body (embeddings, responses, ...): ``model`` is still required;
-  the body's JSON text stands in for the prompt when hashing.
+  the body's text stands in for the prompt.
 
-The text used for prefix hashing renders chat messages one after another, so two requests that
-share their first messages share a text prefix, as their token prefixes do on the server.
+The typed prompt's rules (first prompt of a batch, non-text parts by identity) are in
+:mod:`kv_picker.request`. Chat messages are rendered into ``Prompt.text`` one after another,
+so two requests that share their first messages share a text prefix, as their token prefixes
+do on the server.
+
+Every string the picker keeps must be valid Unicode: JSON allows a lone UTF-16 surrogate
+(``"\\ud800"``), which no encoder accepts later (hashing, metric labels, logs), so it is a 400
+here. So is a number Python's JSON decoder refuses (integers over 4,300 digits).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from typing import Any
 
 from kv_picker.config import ModelConfig
 from kv_picker.errors import BadRequestError, ModelNotFoundError
-from kv_picker.scheduling.types import LLMRequest
+from kv_picker.request import ChatMessage, LLMRequest, Prompt, RequestKind
 from kv_picker.wire import MODEL_REWRITE_HEADERS, REQUEST_ID_HEADER
 
+_MESSAGE_FIELDS = frozenset({"role", "content"})
 
-def request_kind(path: str) -> str:
+
+def request_kind(path: str) -> RequestKind:
     path = path.split("?", 1)[0].rstrip("/")
     if path.endswith("chat/completions"):
         return "chat"
@@ -34,48 +42,78 @@ def request_kind(path: str) -> str:
     return "other"
 
 
-def _prompt_text(prompt: Any) -> str:
+def _valid_text(text: str, where: str) -> str:
+    """``text`` if it encodes to UTF-8 (no lone surrogates), else a 400 naming ``where``."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequestError(f"{where} is not valid Unicode (lone surrogate)") from None
+    return text
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _completion_prompt(prompt: Any) -> Prompt:
     if isinstance(prompt, str):
-        return prompt
+        return Prompt("completions", _valid_text(prompt, "'prompt'"))
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return "".join(prompt)
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return " ".join(map(str, prompt))
-        if all(
-            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompt
-        ):
-            return "\n".join(" ".join(map(str, p)) for p in prompt)
+            return Prompt(
+                "completions", _valid_text(prompt[0], "'prompt'[0]"), num_prompts=len(prompt)
+            )
+        if _is_token_ids(prompt):
+            return Prompt("completions", " ".join(map(str, prompt)), token_ids=tuple(prompt))
+        if all(_is_token_ids(p) for p in prompt):
+            first = prompt[0]
+            return Prompt(
+                "completions",
+                " ".join(map(str, first)),
+                token_ids=tuple(first),
+                num_prompts=len(prompt),
+            )
     raise BadRequestError("'prompt' must be a string, a list of strings, or a list of token ids")
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> tuple[str, str]:
+    """(text parts joined, text plus the identity of other parts) of a message's content."""
     if content is None:
-        return ""
+        return "", ""
     if isinstance(content, str):
-        return content
+        _valid_text(content, f"{where}.content")
+        return content, content
     if isinstance(content, list):
-        parts = []
+        texts: list[str] = []
+        identity: list[str] = []
         for j, part in enumerate(content):
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
                 raise BadRequestError(f"{where}.content[{j}] must be an object with a 'type'")
-            text = part.get("text")
             if part["type"] == "text":
+                text = part.get("text")
                 if not isinstance(text, str):
                     raise BadRequestError(f"{where}.content[{j}].text must be a string")
-                parts.append(text)
+                _valid_text(text, f"{where}.content[{j}].text")
+                texts.append(text)
+                identity.append(text)
             else:
                 # Images, audio, files: their identity matters for caching, not their bytes.
-                parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
-        return "".join(parts)
+                try:
+                    rendered = json.dumps(part, sort_keys=True, separators=(",", ":"))
+                except (TypeError, ValueError):
+                    raise BadRequestError(f"{where}.content[{j}] cannot be rendered") from None
+                identity.append(_valid_text(rendered, f"{where}.content[{j}]"))
+        return "".join(texts), "".join(identity)
     raise BadRequestError(f"{where}.content must be a string, a list of parts, or null")
 
 
-def _chat_text(messages: Any) -> str:
+def _chat_prompt(data: Mapping[str, Any]) -> Prompt:
+    messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("'messages' must be a non-empty list")
-    pieces = []
+    parsed: list[ChatMessage] = []
+    pieces: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -83,8 +121,18 @@ def _chat_text(messages: Any) -> str:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise BadRequestError(f"{where}.role must be a non-empty string")
-        pieces.append(f"<|{role}|>\n{_content_text(message.get('content'), where)}\n")
-    return "".join(pieces)
+        _valid_text(role, f"{where}.role")
+        text, identity = _content(message.get("content"), where)
+        extra = {k: v for k, v in message.items() if k not in _MESSAGE_FIELDS}
+        parsed.append(ChatMessage(role, text, identity, extra))
+        pieces.append(f"<|{role}|>\n{identity}\n")
+    # Truthiness, as the server's request model coerces these flags.
+    add_generation_prompt = bool(data.get("add_generation_prompt", True))
+    if data.get("continue_final_message"):
+        add_generation_prompt = False
+    return Prompt(
+        "chat", "".join(pieces), tuple(parsed), add_generation_prompt=add_generation_prompt
+    )
 
 
 def parse_request(
@@ -110,26 +158,31 @@ def parse_request(
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequestError("request body is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal over the conversion limit
+        raise BadRequestError(f"request body has a value JSON decoding refuses: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError("model not found in request body ('model' must be a string)")
+    _valid_text(model, "'model'")
     kind = request_kind(path)
     if kind == "chat":
-        prompt = _chat_text(data.get("messages"))
+        prompt = _chat_prompt(data)
     elif kind == "completions":
         if "prompt" not in data:
             raise BadRequestError("'prompt' is required for completions")
-        prompt = _prompt_text(data["prompt"])
+        prompt = _completion_prompt(data["prompt"])
     else:
-        prompt = body.decode("utf-8", errors="replace")
+        prompt = Prompt("other", body.decode("utf-8", errors="replace"))
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequestError("'stream' must be true or false")
     cache_salt = data.get("cache_salt")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise BadRequestError("'cache_salt' must be a string")
+    if cache_salt:
+        _valid_text(cache_salt, "'cache_salt'")
 
     target_model = model
     for header in MODEL_REWRITE_HEADERS:
@@ -154,12 +207,10 @@ def parse_request(
         model=model,
         target_model=target_model,
         path=path.split("?", 1)[0],
-        kind=kind,
         prompt=prompt,
         stream=stream,
         cache_salt=cache_salt or None,
         lora_adapter=lora_adapter,
         headers=headers,
         body_size_bytes=len(body),
-        body=data,
     )

@@ -14,7 +14,14 @@ body EOS ──> pick                                     ──> pick
 
 A request without a body (headers with end_of_stream) gets a random ready endpoint at once.
 Any failure becomes an ``ImmediateResponse`` with a JSON error; every stream ends with a
-response, so Envoy never waits on us.
+response, so Envoy never waits on us. An unexpected exception is logged with the request id,
+and the client gets the id, never the exception's text.
+
+The request's life (admission, the pick, in-flight and queued-prefill accounting) belongs to
+the :class:`~kv_picker.director.Director`; the stream holds the handle it returns
+(:class:`~kv_picker.director.RoutedRequest`) and tells it the first byte and the end. Once the
+pick is made the stream keeps nothing of the request body: the body is sent on (streamed mode)
+and dropped, and the director drops the parsed prompt.
 
 Response direction: headers are answered at once; body chunks are echoed one for one in
 full-duplex mode (SSE chunks keep their boundaries) and acknowledged unchanged otherwise. Token
@@ -34,13 +41,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 
-from kv_picker.director import Director
+from kv_picker.director import Director, RoutedRequest
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
 from kv_picker.handlers import responses
 from kv_picker.handlers.usage import UsageReader
-from kv_picker.scheduling.types import LLMRequest
-from kv_picker.state.endpoints import Endpoint
-from kv_picker.wire import DESTINATION_HEADER, PICKER_OWNED_HEADERS, PREFILLER_HEADER
+from kv_picker.request import LLMRequest
+from kv_picker.wire import (
+    DESTINATION_HEADER,
+    PICKER_OWNED_HEADERS,
+    PREFILLER_HEADER,
+    REQUEST_ID_HEADER,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +99,12 @@ class RequestStream:
         self.body_chunks: list[bytes] = []
         self.body_size_bytes = 0
         self.metadata: dict[str, Any] | None = None
-        self.endpoint: Endpoint | None = None
-        self.prefill_endpoint: Endpoint | None = None
+        self.routed: RoutedRequest | None = None
         self.request: LLMRequest | None = None
         self.model = ""
         self.started_s = time.perf_counter()
         self.picked_s = 0.0
         self.first_byte_seen = False
-        # (endpoint doing the prefill, its uncached tokens) until the first response byte.
-        self._prefill: tuple[Endpoint, float] | None = None
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
@@ -131,9 +140,28 @@ class RequestStream:
                 yield responses.CONTINUE_TRAILERS_RESPONSE
         except PickerError as error:
             yield self._fail(error)
-        except Exception as exc:  # never leave Envoy waiting on a bug
-            log.exception("ext_proc stream failed")
-            yield self._fail(InternalError(f"{type(exc).__name__}: {exc}"))
+        except Exception:  # never leave Envoy waiting on a bug
+            yield self._fail(self._internal_error())
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The destination, once routed."""
+        return None if self.routed is None else self.routed.endpoint
+
+    @property
+    def prefill_endpoint(self) -> Endpoint | None:
+        return None if self.routed is None else self.routed.prefill_endpoint
+
+    @property
+    def request_id(self) -> str:
+        if self.request is not None:
+            return self.request.request_id
+        return self.headers.get(REQUEST_ID_HEADER, "") or "-"
+
+    def _internal_error(self) -> InternalError:
+        """Log the exception being handled; the client gets the request id only."""
+        log.exception("request %s: ext_proc stream failed", self.request_id)
+        return InternalError(f"internal error (request id {self.request_id})")
 
     def close(self) -> None:
         """The gRPC stream ended (normally, or the client went away)."""
@@ -153,9 +181,7 @@ class RequestStream:
             )
             self.headers[header.key.lower()] = value
         if message.end_of_stream:
-            endpoint = self.director.pick_bodyless(self.metadata)
-            self._routed(endpoint, "passthrough")
-            yield self._headers_pick(endpoint, content_length=None)
+            yield self._headers_pick(self._routed(self.director.route_bodyless(self.metadata)))
             return
         mode = self.request_body_mode
         if mode == FULL_DUPLEX:
@@ -164,14 +190,12 @@ class RequestStream:
             yield responses.CONTINUE_HEADERS_REQUEST
             return
         # STREAMED / BUFFERED_PARTIAL: headers leave before the body; we cannot read it first.
-        endpoint = self.director.pick_bodyless(self.metadata)
-        self._routed(endpoint, "passthrough")
-        yield self._headers_pick(endpoint, content_length=None)
+        yield self._headers_pick(self._routed(self.director.route_bodyless(self.metadata)))
 
     def _request_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
         if not self.headers_seen:
             raise InternalError("ext_proc protocol error: request body before its headers")
-        if self.endpoint is not None:  # streamed mode: already routed, let the body through
+        if self.routed is not None:  # streamed mode: already routed, let the body through
             yield responses.CONTINUE_BODY_REQUEST
             return
         if message.body:
@@ -185,7 +209,7 @@ class RequestStream:
             yield from self._route_body(end_of_stream=True)
 
     def _request_trailers(self) -> Iterator[pb.ProcessingResponse]:
-        if self.endpoint is None and self.request_body_mode == FULL_DUPLEX:
+        if self.routed is None and self.request_body_mode == FULL_DUPLEX:
             # Trailers end the body when the client sent them.
             yield from self._route_body(end_of_stream=False)
             if self.preparing is not None:
@@ -218,60 +242,52 @@ class RequestStream:
                 yield responses.CONTINUE_TRAILERS_REQUEST
         except PickerError as error:
             yield self._fail(error)
-        except Exception as exc:  # never leave Envoy waiting on a bug
-            log.exception("ext_proc stream failed")
-            yield self._fail(InternalError(f"{type(exc).__name__}: {exc}"))
+        except Exception:  # never leave Envoy waiting on a bug
+            yield self._fail(self._internal_error())
 
     def _pick(
         self, request: LLMRequest, body: bytes, end_of_stream: bool
     ) -> Iterator[pb.ProcessingResponse]:
-        result = self.director.schedule(request, self.metadata)
-        endpoint = result.primary.targets[0]
-        for profile, profile_result in result.profile_results.items():
-            if profile != result.primary_profile and profile_result.targets:
-                # The only secondary profile today is prefill (P/D disaggregation).
-                self.prefill_endpoint = profile_result.targets[0]
-        self._routed(endpoint, "disaggregated" if self.prefill_endpoint else "routed")
-        self._prefill = self.director.begin_prefill(request, endpoint, self.prefill_endpoint)
-        for profile, profile_result in result.profile_results.items():
-            self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
+        routed = self._routed(self.director.route(request, self.metadata))
+        # The body is all the stream still holds of the request: send it on, then let it go.
+        self.body_chunks = []
         if self.request_body_mode == FULL_DUPLEX:
-            yield self._headers_pick(endpoint, content_length=len(body))
+            yield self._headers_pick(routed, content_length=len(body))
             yield from responses.streamed_body(body, request=True, end_of_stream=end_of_stream)
         else:
-            common = self._routing_common(endpoint, content_length=None)
+            common = self._routing_common(routed, content_length=None)
             yield pb.ProcessingResponse(
                 request_body=pb.BodyResponse(response=common),
-                dynamic_metadata=responses.destination_metadata(endpoint.address),
+                dynamic_metadata=responses.destination_metadata(routed.endpoint.address),
             )
 
-    def _routing_common(self, endpoint: Endpoint, content_length: int | None) -> pb.CommonResponse:
-        set_headers = [(DESTINATION_HEADER, endpoint.address)]
+    def _routing_common(
+        self, routed: RoutedRequest, content_length: int | None
+    ) -> pb.CommonResponse:
+        set_headers = [(DESTINATION_HEADER, routed.endpoint.address)]
         if content_length is not None:
             set_headers.append(("content-length", str(content_length)))
-        if self.prefill_endpoint is not None:
-            set_headers.append((PREFILLER_HEADER, self.prefill_endpoint.address))
+        if routed.prefill_endpoint is not None:
+            set_headers.append((PREFILLER_HEADER, routed.prefill_endpoint.address))
         set_names = {name for name, _ in set_headers}
         # Headers only the picker may set: drop whatever the client sent.
         remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h not in set_names]
         return responses.routing_mutation(set_headers, remove)
 
     def _headers_pick(
-        self, endpoint: Endpoint, content_length: int | None
+        self, routed: RoutedRequest, content_length: int | None = None
     ) -> pb.ProcessingResponse:
         return pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(
-                response=self._routing_common(endpoint, content_length)
+                response=self._routing_common(routed, content_length)
             ),
-            dynamic_metadata=responses.destination_metadata(endpoint.address),
+            dynamic_metadata=responses.destination_metadata(routed.endpoint.address),
         )
 
-    def _routed(self, endpoint: Endpoint, outcome: str) -> None:
-        self.endpoint = endpoint
+    def _routed(self, routed: RoutedRequest) -> RoutedRequest:
+        self.routed = routed
         self.picked_s = time.perf_counter()
-        self.director.begin(endpoint)
-        self.metrics.running.inc()
-        self.metrics.requests.labels(self.metrics.model_label(self.model), outcome).inc()
+        return routed
 
     def _fail(self, error: PickerError) -> pb.ProcessingResponse:
         self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
@@ -291,9 +307,10 @@ class RequestStream:
                 )
                 break
         self.usage = UsageReader(streaming="text/event-stream" in content_type)
+        routed = self.routed
         extra = (
-            self.director.response_headers(self.request, self.endpoint)
-            if self.request is not None and self.endpoint is not None
+            self.director.response_headers(routed.request, routed.endpoint)
+            if routed is not None and routed.request is not None
             else []
         )
         if extra:
@@ -314,7 +331,8 @@ class RequestStream:
     def _response_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
         if message.body and not self.first_byte_seen:
             self.first_byte_seen = True
-            self._end_prefill()  # a response byte means the prompt has been processed
+            if self.routed is not None:  # a response byte means the prompt has been processed
+                self.routed.first_byte()
             if self.picked_s:
                 self.metrics.ttft_seconds.observe(time.perf_counter() - self.picked_s)
         if self.usage is not None and message.body:
@@ -336,20 +354,14 @@ class RequestStream:
         if message.end_of_stream:
             self._finish()
 
-    def _end_prefill(self) -> None:
-        if self._prefill is not None:
-            self.director.end_prefill(*self._prefill)
-            self._prefill = None
-
     def _finish(self) -> None:
-        self._end_prefill()
         # Only a routed request has anything to release; release it exactly once.
-        if self.finished or self.endpoint is None:
+        routed = self.routed
+        if self.finished or routed is None:
             return
         self.finished = True
-        self.director.finish(self.endpoint)
+        routed.finish()
         metrics = self.metrics
-        metrics.running.dec()
         metrics.request_seconds.observe(time.perf_counter() - self.started_s)
         usage = self.usage.result() if self.usage is not None else None
         if usage is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kv_picker.scheduling.types import BuildContext, LLMRequest
-from kv_picker.state.endpoints import ROLE_LABEL, Endpoint
+from kv_picker.endpoint import ROLE_LABEL, Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
 
 
 class _LabelFilter:

@@ -3,7 +3,7 @@
 | type | behaviour |
 |---|---|
 | `single-profile-handler` | runs the only profile (or the one named `default`); it is primary |
-| `pd-profile-handler` | prefill/decode disaggregation: runs `decode` (primary), then `prefill` when the prompt's uncached part on the chosen decode endpoint is long enough |
+| `pd-profile-handler` | prefill/decode disaggregation: runs `decode` (primary), then `prefill` when the prompt's uncached part on the chosen decode endpoint is long enough; names it the result's prefill profile |
 
 `pd-profile-handler` parameters (defaults):
 - `decodeProfile` (`decode`), `prefillProfile` (`prefill`): the profiles to run; give each its
@@ -25,12 +25,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from kv_picker.decode import NonNegative, Positive
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import SaturatedError
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest, ProfileRunner, SchedulingResult
 from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
-from kv_picker.scheduling.types import BuildContext, LLMRequest, ProfileRunner, SchedulingResult
-from kv_picker.state.endpoints import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,11 @@ class SingleProfileHandler:
 class PDProfileParams:
     decodeProfile: str = "decode"
     prefillProfile: str = "prefill"
-    nonCachedTokens: int = 0
-    minPromptTokens: int = 0
-    charsPerToken: float = 4.0
+    nonCachedTokens: Annotated[int, NonNegative] = 0
+    minPromptTokens: Annotated[int, NonNegative] = 0
+    charsPerToken: Annotated[float, Positive] = 4.0
 
     def validate(self) -> None:
-        if self.nonCachedTokens < 0 or self.minPromptTokens < 0:
-            raise ValueError("'nonCachedTokens' and 'minPromptTokens' must be >= 0")
-        if not self.charsPerToken > 0:
-            raise ValueError("parameter 'charsPerToken' must be > 0")
         if self.decodeProfile == self.prefillProfile:
             raise ValueError("'decodeProfile' and 'prefillProfile' must differ")
 
@@ -113,6 +111,7 @@ class PDProfileHandler:
             self.prefill_unavailable += 1
             return result
         result.profile_results[params.prefillProfile] = prefill
+        result.prefill_profile = params.prefillProfile
         self.disaggregated += 1
         return result
 

@@ -23,19 +23,21 @@ from typing import Any
 from kv_picker.config import PickerConfig
 from kv_picker.errors import ConfigError, SaturatedError
 from kv_picker.metrics import PickerMetrics
-from kv_picker.scheduling.registry import Registry
-from kv_picker.scheduling.types import (
-    BuildContext,
-    Filter,
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import (
+    CollectsMetrics,
+    Endpoint,
     LLMRequest,
-    Picker,
+    PluginGauge,
     PostPick,
+    Prepare,
     ProfileHandler,
     ProfileResult,
+    RequiresProfiles,
+    ResponseHeaders,
     SchedulingResult,
-    Scorer,
 )
-from kv_picker.state.endpoints import Endpoint
+from kv_picker.scheduling.registry import Registry
 
 _perf = time.perf_counter
 
@@ -115,7 +117,13 @@ class Profile:
 
 
 class Scheduler:
-    """Plugins built from one config; swapped as a whole on reload."""
+    """Plugins built from one config; swapped as a whole on reload.
+
+    Attributes:
+        plugins: every built plugin by name.
+        shared_keys: the shared resources this build uses (the rest are released when it is
+            adopted; see :mod:`kv_picker.scheduling.context`).
+    """
 
     def __init__(
         self,
@@ -126,6 +134,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self._metrics = metrics
+        ctx = ctx.for_build()
         plugins: dict[str, Any] = {}
         types: dict[str, str] = {}
         for plugin_config in config.plugins:
@@ -137,7 +146,7 @@ class Scheduler:
         def implicit(type_name: str) -> Any:
             # A step the config left implicit (max-score-picker, single-profile-handler).
             if type_name not in plugins:
-                params = registry.parse_params(type_name, type_name, None)
+                params = registry.parse_params(type_name, None, type_name)
                 plugins[type_name] = registry.build(type_name, type_name, params, ctx)
                 types[type_name] = type_name
             return plugins[type_name]
@@ -149,13 +158,17 @@ class Scheduler:
             picker: _Step | None = None
             for entry in profile_config.entries:
                 plugin = plugins.get(entry.plugin_ref) or implicit(entry.plugin_ref)
-                step = _Step(plugin, entry.weight, types[entry.plugin_ref])
-                if isinstance(plugin, Picker):
+                type_name = types[entry.plugin_ref]
+                step = _Step(plugin, entry.weight, type_name)
+                kind = registry.kind(type_name)
+                if kind == "picker":
                     picker = step
-                elif isinstance(plugin, Scorer):
+                elif kind == "scorer":
                     scorers.append(step)
-                elif isinstance(plugin, Filter):
+                elif kind == "filter":
                     filters.append(step)
+                else:  # parse_config refuses it; keep the invariant explicit
+                    raise ConfigError(f"{entry.plugin_ref!r} is a {kind}, not a profile step")
             if picker is None:  # parse_config guarantees one; keep the invariant explicit
                 raise ConfigError(f"profile {profile_config.name!r} has no picker")
             self.profiles[profile_config.name] = Profile(
@@ -165,20 +178,25 @@ class Scheduler:
         if not isinstance(handler, ProfileHandler):
             raise ConfigError(f"plugin {config.handler!r} is not a profile handler")
         self.handler: ProfileHandler = handler
-        required = getattr(handler, "required_profiles", None)
-        if required is not None:
-            missing = [name for name in required() if name not in self.profiles]
-            if missing:
-                raise ConfigError(
-                    f"plugin {handler.name!r}: needs scheduling profile(s) {', '.join(missing)}; "
-                    f"defined: {', '.join(self.profiles)}"
-                )
+        for plugin_name, plugin in plugins.items():
+            if isinstance(plugin, RequiresProfiles):
+                missing = [p for p in plugin.required_profiles() if p not in self.profiles]
+                if missing:
+                    raise ConfigError(
+                        f"plugin {plugin_name!r}: needs scheduling profile(s) "
+                        f"{', '.join(missing)}; defined: {', '.join(self.profiles)}"
+                    )
         self._profile_names = tuple(self.profiles)
-        self._post_pick: list[PostPick] = [p for p in plugins.values() if isinstance(p, PostPick)]
+        self._post_pick = [p for p in plugins.values() if isinstance(p, PostPick)]
+        self.preparers: list[Prepare] = [p for p in plugins.values() if isinstance(p, Prepare)]
         self._response_header_plugins = [
-            p for p in plugins.values() if callable(getattr(p, "response_headers", None))
+            p for p in plugins.values() if isinstance(p, ResponseHeaders)
+        ]
+        self._metric_plugins: list[tuple[str, CollectsMetrics]] = [
+            (name, p) for name, p in plugins.items() if isinstance(p, CollectsMetrics)
         ]
         self.plugins = plugins
+        self.shared_keys = ctx.used_shared
 
     def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Headers plugins add to the response (e.g. a session token naming ``endpoint``)."""
@@ -186,6 +204,14 @@ class Scheduler:
         for plugin in self._response_header_plugins:
             headers.extend(plugin.response_headers(request, endpoint))
         return headers
+
+    def plugin_gauges(self) -> list[tuple[str, PluginGauge]]:
+        """(plugin name, gauge) for every gauge the plugins report."""
+        return [
+            (name, gauge)
+            for name, plugin in self._metric_plugins
+            for gauge in plugin.collect_metrics()
+        ]
 
     def schedule(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_picker.scheduling.types import LLMRequest
+from kv_picker.request import LLMRequest
 
 PREFIX_MATCH = "signals.prefix_match"
 PROMPT_TOKENS = "signals.prompt_tokens"
@@ -41,7 +41,7 @@ def prompt_tokens(request: LLMRequest, chars_per_token: float = DEFAULT_CHARS_PE
     exact = request.state.get(PROMPT_TOKENS)
     if isinstance(exact, int | float):
         return float(exact)
-    return len(request.prompt) / chars_per_token
+    return len(request.prompt.text) / chars_per_token
 
 
 def cached_tokens(request: LLMRequest, endpoint_id: int) -> float:

@@ -50,8 +50,9 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 from kv_picker.config import PickerConfig
+from kv_picker.endpoint import EndpointId, split_address
 from kv_picker.metrics import PickerMetrics
-from kv_picker.state.endpoints import EndpointId, EndpointStore, split_address
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import EventKeys, KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 
@@ -790,7 +791,7 @@ def build_subscriber(
         replay_port=events.replay_port,
         endpoints=tuple(
             (address, PublisherAddress(source.publisher, source.replay))
-            for address, source in events.endpoints
+            for address, source in events.endpoints.items()
         ),
         topic_filter=events.topic_filter,
         model=events.model,

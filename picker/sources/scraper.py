@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kv_picker.endpoint import Endpoint
 from kv_picker.metrics import PickerMetrics
-from kv_picker.state.endpoints import Endpoint, EndpointStore, LoraState
+from kv_picker.state.endpoints import EndpointStore, LoraState
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,10 @@ ready:     True       True       False      last scrape succeeded
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import NewType
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-EndpointId = NewType("EndpointId", int)
-
-ROLE_LABEL = "llm-d.ai/role"
+from kv_picker.endpoint import Endpoint, EndpointId, EndpointSpec, split_address
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,54 +37,24 @@ class LoraState:
     max_lora: int
 
 
-@dataclass(slots=True, frozen=True)
-class EndpointSpec:
-    """A configured endpoint: where it is and what it is (labels)."""
+class Subscription:
+    """A callback registered with the store; ``cancel()`` removes it."""
 
-    address: str
-    labels: Mapping[str, str] = field(default_factory=dict)
+    __slots__ = ("_callback", "_callbacks")
 
+    def __init__(
+        self, callbacks: list[Callable[[EndpointId], None]], callback: Callable[[EndpointId], None]
+    ) -> None:
+        self._callbacks: list[Callable[[EndpointId], None]] | None = callbacks
+        self._callback = callback
 
-@dataclass(slots=True)
-class Endpoint:
-    """A model-server address known to the picker.
-
-    Attributes:
-        id: dense id, index into the store's arrays.
-        address: ``ip:port`` (``[v6]:port`` for IPv6), exactly as sent to Envoy.
-        host: the IP part, used for subset-hint matching.
-        port: the port.
-        labels: static labels (role, hardware class, ...).
-    """
-
-    id: EndpointId
-    address: str
-    host: str
-    port: int
-    labels: Mapping[str, str]
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """Split ``ip:port`` or ``[v6]:port`` into host and port.
-
-    Raises:
-        ValueError: when the address is not an IP literal with a port in 1..65535.
-    """
-    if address.startswith("["):
-        host, sep, port_text = address[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"bad address {address!r}: expected [ipv6]:port")
-    else:
-        host, sep, port_text = address.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"bad address {address!r}: expected ip:port")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"bad address {address!r}: {host!r} is not an IP address") from None
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"bad address {address!r}: port must be 1..65535")
-    return host, int(port_text)
+    def cancel(self) -> None:
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks is not None:
+            for i, registered in enumerate(callbacks):
+                if registered is self._callback:
+                    del callbacks[i]
+                    break
 
 
 class EndpointStore:
@@ -118,9 +84,18 @@ class EndpointStore:
         # The ready list is rebuilt only when readiness or membership changes.
         self._ready_cache: list[Endpoint] | None = None
 
-    def on_removed(self, callback: Callable[[EndpointId], None]) -> None:
-        """Register a callback run when an endpoint leaves (to drop its index entries)."""
+    def on_removed(self, callback: Callable[[EndpointId], None]) -> Subscription:
+        """Register a callback run when an endpoint leaves (to drop its index entries).
+
+        Returns:
+            A handle whose ``cancel()`` unregisters the callback (idempotent).
+        """
         self._on_removed.append(callback)
+        return Subscription(self._on_removed, callback)
+
+    def num_subscribers(self) -> int:
+        """Callbacks registered with :meth:`on_removed` (a reload must not grow this)."""
+        return len(self._on_removed)
 
     def now(self) -> float:
         return self._clock()

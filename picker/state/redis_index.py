@@ -6,7 +6,7 @@ endpoint's blocks. Redis holds the one index they all read and write.
 
 The scheduling path is synchronous, so the lookup cannot happen inside a scorer. Of the two
 ways around that, this backend takes the pre-fetch: the precise scorer's ``prepare`` hook runs
-before the synchronous schedule (see :class:`kv_picker.scheduling.types.Prepare`), awaits one
+before the synchronous schedule (see :class:`kv_picker.scheduling.framework.Prepare`), awaits one
 Redis round trip with the request's keys, and leaves the result in the request's state for
 ``score``. A local mirror fed from Redis would make lookups free but put the whole index in
 every replica's memory (what sharing is meant to avoid) and need a change feed to stay fresh;

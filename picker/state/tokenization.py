@@ -43,6 +43,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from kv_picker.request import Prompt
+
 _HEAD_MARGIN_CHARS = 1024
 _CACHE_MIN_CHARS = 256  # shorter pieces cost less to encode than to cache
 _CACHE_MAX_CHARS = 4_000_000
@@ -54,23 +56,6 @@ class TokenizerError(ValueError):
 
 def _raise_exception(message: str) -> None:
     raise TokenizerError(f"chat template: {message}")
-
-
-def content_text(content: Any) -> str:
-    """An OpenAI message ``content`` as the text a string-content chat template renders."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                text = part.get("text")
-                if isinstance(text, str):
-                    parts.append(text)
-        return "".join(parts)
-    raise TokenizerError("message content must be a string, a list of parts or null")
 
 
 class PromptTokenizer:
@@ -151,18 +136,21 @@ class PromptTokenizer:
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """The prompt text of a chat request.
+        """The prompt text of chat messages as the template sees them (``role`` and a string
+        ``content`` each, plus whatever else the template reads).
 
         Raises:
-            TokenizerError: no chat template, malformed messages, or the template refused.
+            TokenizerError: no chat template, a message without a string role and content, or
+                the template refused.
         """
         if self._template is None:
             raise TokenizerError("the tokenizer has no chat template")
-        normalised = []
         for message in messages:
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise TokenizerError("each message needs a string 'role'")
-            normalised.append({**message, "content": content_text(message.get("content"))})
+            if not isinstance(message.get("role"), str) or not isinstance(
+                message.get("content"), str
+            ):
+                raise TokenizerError("each message needs a string 'role' and 'content'")
+        normalised = messages
         try:
             return self._template.render(
                 messages=normalised,
@@ -279,37 +267,24 @@ def _added_token_splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None,
     return re.compile("|".join(re.escape(a) for a in alternatives)), ids
 
 
-def prompt_input(
-    tokenizer: PromptTokenizer, kind: str, body: Mapping[str, Any] | None
-) -> PromptInput | None:
-    """The request's prompt from its parsed body, as the model server will tokenize it.
+def prompt_input(tokenizer: PromptTokenizer, prompt: Prompt) -> PromptInput | None:
+    """What to tokenize for a prompt, as the model server will.
 
     Chat messages go through the chat template; a completion prompt is its text or token ids
-    (a list of prompts: the first, the one affinity can serve). None when the body has no
-    prompt of a known shape (the caller falls back to the picker's prompt text).
+    (the first prompt of a batch, as :mod:`kv_picker.request` defines). None when the prompt is
+    of no known shape (the caller tokenizes its text).
 
     Raises:
         TokenizerError: the chat messages cannot be rendered.
     """
-    if body is None:
-        return None
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
+    if prompt.kind == "chat":
+        if not prompt.messages:
             return None
-        add_generation_prompt = bool(body.get("add_generation_prompt", True))
-        if body.get("continue_final_message"):
-            add_generation_prompt = False
-        return PromptInput(tokenizer.render_chat(messages, add_generation_prompt), False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return PromptInput(prompt)
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return PromptInput(first)
-        if all(type(t) is int for t in prompt):
-            return PromptInput(token_ids=prompt)
-        if isinstance(first, list) and all(type(t) is int for t in first):
-            return PromptInput(token_ids=first)
+        # Each message's text content (see kv_picker.request for why other parts are left out).
+        messages = [{**m.extra, "role": m.role, "content": m.content} for m in prompt.messages]
+        return PromptInput(tokenizer.render_chat(messages, prompt.add_generation_prompt), False)
+    if prompt.kind == "completions":
+        if prompt.token_ids is not None:
+            return PromptInput(token_ids=list(prompt.token_ids))
+        return PromptInput(prompt.text)
     return None

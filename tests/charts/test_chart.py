@@ -11,7 +11,7 @@ import yaml
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
 
 from kv_picker.config import parse_config  # noqa: E402
-from kv_picker.scheduling.registry import builtin_registry  # noqa: E402
+from kv_picker.plugins import builtin_registry  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kv-picker"
 

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from kv_picker.endpoint import EndpointSpec
 from kv_picker.errors import ConfigError
+from kv_picker.request import LLMRequest, Prompt
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import PROMPT_TOKENS
-from kv_picker.scheduling.types import BuildContext, LLMRequest, ProfileResult, SchedulingResult
-from kv_picker.state.endpoints import EndpointSpec, EndpointStore
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker_bench.harness.policies import (
     BASELINES,
     DynamoCostParams,
@@ -42,8 +45,7 @@ def request(prompt: str = "", request_id: str = "r", **state: object) -> LLMRequ
         model="m",
         target_model="m",
         path="/v1/completions",
-        kind="completions",
-        prompt=prompt,
+        prompt=Prompt("completions", prompt),
         state=dict(state),
     )
 
@@ -144,7 +146,7 @@ def test_policy_resolution(tmp_path: Path) -> None:
         resolve_policies(["random", "random"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("plugins:\n- type: queue-scorer\n  parameters: {depth: 3}\n")
-    with pytest.raises(ConfigError, match=r"policy bad .*unknown parameter\(s\) depth"):
+    with pytest.raises(ConfigError, match=r"policy bad .*unknown field\(s\) depth"):
         resolve_policy(str(bad)).config(registry)
 
 

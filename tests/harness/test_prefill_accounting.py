@@ -1,7 +1,8 @@
-"""The simulator keeps the store's queued prefill work as the service's director does.
+"""The simulator routes through the service's director, which keeps the store's queued
+prefill work.
 
 Token-aware scorers (``predicted-latency-scorer``) read ``EndpointStore.prefill_tokens`` and
-``prefill_requests``; without the simulator's accounting they would see zeros and a replay
+``prefill_requests``; without that accounting in a replay they would see zeros and a replay
 would say nothing about them.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from kv_picker.scheduling.types import LLMRequest
+from kv_picker.request import LLMRequest
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
 from tests.harness.conftest import make_trace, small_cluster, small_trace
@@ -45,9 +46,9 @@ def _replay_recording(
     seen: list[tuple[list[float], list[int]]] = []
     schedule = simulator.scheduler.schedule
 
-    def recording(request: LLMRequest, candidates: Any) -> Any:
+    def recording(request: LLMRequest, candidates: Any, *args: Any) -> Any:
         seen.append((list(store.prefill_tokens), list(store.prefill_requests)))
-        return schedule(request, candidates)
+        return schedule(request, candidates, *args)
 
     simulator.scheduler.schedule = recording  # type: ignore[method-assign]
     return simulator.run(), seen

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_picker.app import PickerApp
 from kv_picker.config import load_config
-from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.plugins import builtin_registry
 from kv_picker.wire import HEALTH_SERVICES
 
 REGISTRY = builtin_registry(include_entry_points=False)

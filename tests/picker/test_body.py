@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -20,16 +21,20 @@ def test_completion_string_prompt() -> None:
     request = parse_request(
         body(model="m", prompt="abc", stream=True, cache_salt="t1"), COMPLETIONS
     )
-    assert (request.model, request.kind, request.prompt) == ("m", "completions", "abc")
+    assert (request.model, request.kind, request.prompt.text) == ("m", "completions", "abc")
     assert request.stream is True
     assert request.cache_salt == "t1"
     assert request.request_id  # generated
 
 
 def test_completion_list_prompts_and_token_ids() -> None:
-    assert parse_request(body(model="m", prompt=["ab", "cd"]), COMPLETIONS).prompt == "abcd"
-    assert parse_request(body(model="m", prompt=[1, 2, 3]), COMPLETIONS).prompt == "1 2 3"
-    assert parse_request(body(model="m", prompt=[[1, 2], [3]]), COMPLETIONS).prompt == "1 2\n3"
+    # A batch is routed on its first prompt: the blocks a later request can share.
+    batch = parse_request(body(model="m", prompt=["ab", "cd"]), COMPLETIONS).prompt
+    assert (batch.text, batch.num_prompts, batch.token_ids) == ("ab", 2, None)
+    ids = parse_request(body(model="m", prompt=[1, 2, 3]), COMPLETIONS).prompt
+    assert (ids.text, ids.token_ids) == ("1 2 3", (1, 2, 3))
+    nested = parse_request(body(model="m", prompt=[[1, 2], [3]]), COMPLETIONS).prompt
+    assert (nested.text, nested.token_ids, nested.num_prompts) == ("1 2", (1, 2), 2)
 
 
 def test_chat_string_and_parts_render_in_order() -> None:
@@ -44,14 +49,16 @@ def test_chat_string_and_parts_render_in_order() -> None:
     request = parse_request(body(model="m", messages=messages), CHAT)
     assert request.kind == "chat"
     assert request.path == "/v1/chat/completions"
-    assert request.prompt.index("be brief") < request.prompt.index("hi there")
+    assert request.prompt.text.index("be brief") < request.prompt.text.index("hi there")
+    user = request.prompt.messages[1]
+    assert (user.role, user.content, user.identity) == ("user", "hi there", "hi there")
 
 
 def test_chat_prefix_shared_between_turns() -> None:
     first = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "q1"}]
     second = [*first, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
-    a = parse_request(body(model="m", messages=first), CHAT).prompt
-    b = parse_request(body(model="m", messages=second), CHAT).prompt
+    a = parse_request(body(model="m", messages=first), CHAT).prompt.text
+    b = parse_request(body(model="m", messages=second), CHAT).prompt.text
     assert b.startswith(a)
 
 
@@ -153,3 +160,57 @@ def test_any_json_document_parses_or_fails_cleanly(document: object) -> None:
             parse_request(raw, headers)
         except PickerError as error:
             assert error.status == 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b'{"model":"m","prompt":"\\ud800","max_tokens":2}', "'prompt' is not valid Unicode"),
+        (b'{"model":"\\udfff","prompt":"x"}', "'model' is not valid Unicode"),
+        (b'{"model":"m","prompt":["\\ud800b"]}', "'prompt'[0]"),
+        (b'{"model":"m","prompt":"x","cache_salt":"\\ud801"}', "cache_salt"),
+        ('{"model":"m","prompt":"x","n":' + "9" * 5000 + "}", "JSON decoding refuses"),
+    ],
+)
+def test_text_that_cannot_be_encoded_and_huge_numbers_are_400(
+    raw: bytes | str, fragment: str
+) -> None:
+    data = raw.encode() if isinstance(raw, str) else raw
+    with pytest.raises(BadRequestError, match=re.escape(fragment)):
+        parse_request(data, COMPLETIONS)
+
+
+def test_surrogates_in_chat_content_and_roles_are_400() -> None:
+    for messages in (
+        [{"role": "user", "content": "\ud800"}],
+        [{"role": "\ud800", "content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}],
+    ):
+        with pytest.raises(BadRequestError, match="not valid Unicode"):
+            parse_request(json.dumps({"model": "m", "messages": messages}).encode(), CHAT)
+
+
+def test_non_text_parts_count_by_identity_and_other_fields_reach_the_template() -> None:
+    image = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}
+    other = {"type": "image_url", "image_url": {"url": "https://x/dog.png"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "what is "}, image]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "t1"}]},
+    ]
+    request = parse_request(body(model="m", messages=messages), CHAT)
+    user, assistant = request.prompt.messages
+    assert user.content == "what is "  # what a chat template renders
+    assert "cat.png" in user.identity and "cat.png" in request.prompt.text
+    assert assistant.extra == {"tool_calls": [{"id": "t1"}]}
+    messages[0]["content"][1] = other  # type: ignore[index]
+    different = parse_request(body(model="m", messages=messages), CHAT)
+    assert different.prompt.text != request.prompt.text  # another image, another prefix
+
+
+def test_dropping_the_payload_keeps_the_request_small() -> None:
+    request = parse_request(body(model="m", prompt="x" * 100_000), COMPLETIONS)
+    request.state["keys"] = list(range(1000))
+    request.drop_payload()
+    assert request.prompt.text == "" and request.kind == "completions"
+    assert request.state == {}
+    assert request.model == "m"  # what the response path still reads

@@ -1,5 +1,6 @@
 import pytest
 
+from kv_picker.endpoint import EndpointId
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
 from kv_picker.scorers.load_aware import LoadAwareParams, LoadAwareScorer
@@ -11,7 +12,7 @@ from kv_picker.scorers.session_affinity import (
     decode_session_token,
     encode_session_token,
 )
-from kv_picker.state.endpoints import EndpointId, LoraState
+from kv_picker.state.endpoints import LoraState
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL, HardwareTable
 from tests.fakes import make_context, make_request, make_store
 

@@ -1,5 +1,6 @@
-"""prefix-cache-scorer in precise mode: exact tokens, real holders from KV events, cache_salt
-isolation in both modes, the async preparation hook, and the config that selects it."""
+"""precise-prefix-cache-scorer: exact tokens, real holders from KV events, cache_salt isolation
+in both prefix scorers, the async preparation hook, and the config that selects it (including
+the deprecated ``prefix-cache-scorer`` with ``mode: precise``)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ from kv_picker.errors import ConfigError
 from kv_picker.handlers.body import parse_request
 from kv_picker.handlers.extproc import ExternalProcessor
 from kv_picker.metrics import PickerMetrics
-from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.plugins import builtin_registry
+from kv_picker.request import LLMRequest, Prompt
+from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS
-from kv_picker.scheduling.types import LLMRequest, ProfileResult, SchedulingResult
+from kv_picker.scorers.precise_prefix_cache import (
+    PrecisePrefixCacheParams,
+    PrecisePrefixCacheScorer,
+)
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import EventKeys, KVBlockIndex
@@ -41,11 +47,13 @@ def request_for(body: dict[str, Any], path: str = "/v1/completions") -> LLMReque
     return parse_request(json.dumps(body).encode(), {":path": path})
 
 
-def precise_scorer(store: EndpointStore, index: KVBlockIndex, **params: Any) -> PrefixCacheScorer:
+def precise_scorer(
+    store: EndpointStore, index: KVBlockIndex, **params: Any
+) -> PrecisePrefixCacheScorer:
     ctx = make_context(store)
     ctx.kv_index = index
-    return PrefixCacheScorer(
-        "p", PrefixCacheParams(mode="precise", tokenizer=TOKENIZER, **params), ctx
+    return PrecisePrefixCacheScorer(
+        "p", PrecisePrefixCacheParams(tokenizer=TOKENIZER, **params), ctx
     )
 
 
@@ -57,7 +65,11 @@ def store_blocks(index: KVBlockIndex, endpoint_id: int, tokens: list[int], **kw:
     return index.apply_stored(endpoint_id, hashes, None, tokens[: blocks * 16], 16, "m", **kw)
 
 
-def scores(scorer: PrefixCacheScorer, request: LLMRequest, candidates: list[Any]) -> list[float]:
+def scores(
+    scorer: PrefixCacheScorer | PrecisePrefixCacheScorer,
+    request: LLMRequest,
+    candidates: list[Any],
+) -> list[float]:
     out = [0.0] * len(candidates)
     scorer.score(request, candidates, out)
     return out
@@ -95,7 +107,7 @@ def test_scores_are_matched_leading_blocks_over_request_blocks() -> None:
     result = SchedulingResult("d", {"d": ProfileResult([store.all()[0]], store.all(), [])})
     scorer.on_pick(request, result)
     assert index.num_blocks() == before
-    assert scorer.precise is not None and scorer.precise.hit_blocks == total + 3 + 4
+    assert scorer.hit_blocks == total + 3 + 4
 
 
 def test_cache_salt_isolates_tenants_in_both_modes() -> None:
@@ -134,8 +146,10 @@ def test_chat_requests_use_the_chat_template_and_token_prompts_their_ids() -> No
         {"role": "system", "content": PROMPT},
         {"role": "user", "content": [{"type": "text", "text": "Which endpoint?"}]},
     ]
-    chat_tokens = TOKENIZED.encode(TOKENIZED.render_chat(messages), add_special_tokens=False)
-    assert TOKENIZED.render_chat(messages).startswith("<|im_start|>system\n")
+    # What the template sees: each message's text content as a string.
+    rendered = TOKENIZED.render_chat([messages[0], {"role": "user", "content": "Which endpoint?"}])
+    chat_tokens = TOKENIZED.encode(rendered, add_special_tokens=False)
+    assert rendered.startswith("<|im_start|>system\n")
     store_blocks(index, 1, chat_tokens)
     chat = request_for({"model": "m", "messages": messages}, "/v1/chat/completions")
     assert scores(scorer, chat, store.all()) == [0.0, 1.0]
@@ -152,8 +166,8 @@ def test_chat_requests_use_the_chat_template_and_token_prompts_their_ids() -> No
     assert scores(scorer, ids, store.all()) == [0.0, 1.0]
     nested = request_for({"model": "m", "prompt": [chat_tokens]})
     assert scores(scorer, nested, store.all()) == [0.0, 1.0]
-    # Malformed messages or out-of-range ids: no signal, no failure.
-    odd = LLMRequest("r", "m", "m", "/v1/chat/completions", "chat", "x", body={"messages": [7]})
+    # A prompt of no known shape, or out-of-range ids: no signal, no failure.
+    odd = LLMRequest("r", "m", "m", "/v1/chat/completions", Prompt("chat", "x"))
     assert scores(scorer, odd, store.all()) == [0.0, 0.0]
     huge = request_for({"model": "m", "prompt": [2**40] * 32})
     assert scores(scorer, huge, store.all()) == [0.0, 0.0]
@@ -212,14 +226,33 @@ def test_tokenizer_loading_and_template_errors(tmp_path: Path) -> None:
 def precise_document(**extra: Any) -> dict[str, Any]:
     return {
         "plugins": [
-            {
-                "type": "prefix-cache-scorer",
-                "parameters": {"mode": "precise", "tokenizer": TOKENIZER},
-            },
+            {"type": "precise-prefix-cache-scorer", "parameters": {"tokenizer": TOKENIZER}},
             {"type": "max-score-picker"},
         ],
         **extra,
     }
+
+
+def test_the_deprecated_spelling_is_the_precise_scorer() -> None:
+    document = {
+        "plugins": [
+            {
+                "type": "prefix-cache-scorer",
+                "parameters": {"mode": "precise", "tokenizer": TOKENIZER, "blockSizeChars": 64},
+            }
+        ],
+        "kvEvents": {},
+    }
+    (plugin,) = parse_config(document, REGISTRY).plugins
+    # Its name stays what profiles refer to; the parameters only the approximate mode reads go.
+    assert (plugin.name, plugin.type) == ("prefix-cache-scorer", "precise-prefix-cache-scorer")
+    assert isinstance(plugin.params, PrecisePrefixCacheParams)
+
+
+def test_without_an_index_to_read_the_build_fails_naming_the_plugin() -> None:
+    config = parse_config(precise_document(), REGISTRY)  # valid on its own
+    with pytest.raises(ConfigError, match=r"precise-prefix-cache-scorer.*kvEvents"):
+        Scheduler(config, REGISTRY, make_context(make_store(2)))
 
 
 def test_config_sections_for_events_and_the_index() -> None:
@@ -243,7 +276,7 @@ def test_config_sections_for_events_and_the_index() -> None:
         REGISTRY,
     )
     assert config.kv_events is not None and config.kv_events.replay_port == 5558
-    assert config.kv_events.endpoints[0][1].replay == "tcp://127.0.0.1:9002"
+    assert config.kv_events.endpoints["127.0.0.1:8001"].replay == "tcp://127.0.0.1:9002"
     assert config.kv_events.replay_timeout_s == 0.5
     assert config.index.keys == "strict" and config.index.hash_seed == "0"
     assert parse_config({}, REGISTRY).kv_events is None
@@ -254,9 +287,8 @@ def test_config_sections_for_events_and_the_index() -> None:
 @pytest.mark.parametrize(
     ("document", "fragments"),
     [
-        (precise_document(), ["plugins[0] (prefix-cache-scorer)", "kvEvents"]),
-        (precise_document(kvEvents={"mode": "both"}), ["kvEvents.mode", "connect or bind"]),
-        (precise_document(kvEvents={"replayPort": 0}), ["kvEvents.replayPort", "1..65535"]),
+        (precise_document(kvEvents={"mode": "both"}), ["kvEvents.mode", "connect, bind"]),
+        (precise_document(kvEvents={"replayPort": 0}), ["kvEvents.replayPort", ">= 1"]),
         (precise_document(kvEvents={"color": 1}), ["kvEvents", "unknown field(s) color"]),
         (
             precise_document(kvEvents={"endpoints": {"nohost": {"publisher": "tcp://x:1"}}}),
@@ -283,7 +315,7 @@ def test_config_sections_for_events_and_the_index() -> None:
                     }
                 ]
             },
-            ["prefix-cache-scorer", "no tokenizer.json at /nowhere"],
+            ["prefix-cache-scorer", "parameters.tokenizer", "no tokenizer.json at /nowhere"],
         ),
     ],
 )
@@ -380,7 +412,7 @@ def test_a_pick_counts_until_events_can_confirm_it() -> None:
     clock = ManualClock()
     store = make_store(3, clock=clock)
     index = KVBlockIndex(EventKeys())
-    scorer = precise_scorer(store, index, speculativeTtlSeconds=2.0)
+    scorer = precise_scorer(store, index, speculativeTTL=2.0)
     first = request_for({"model": "m", "prompt": PROMPT})
     assert scores(scorer, first, store.all()) == [0.0, 0.0, 0.0]
     picked = SchedulingResult("d", {"d": ProfileResult([store.all()[1]], store.all(), [])})
@@ -390,6 +422,6 @@ def test_a_pick_counts_until_events_can_confirm_it() -> None:
     clock.advance(2.5)
     assert scores(scorer, request_for({"model": "m", "prompt": PROMPT}), store.all()) == [0, 0, 0]
     # Disabled: only events count.
-    strict = precise_scorer(store, index, speculativeTtlSeconds=0)
+    strict = precise_scorer(store, index, speculativeTTL=0)
     strict.on_pick(first, picked)
     assert scores(strict, request_for({"model": "m", "prompt": PROMPT}), store.all()) == [0, 0, 0]

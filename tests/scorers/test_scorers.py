@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from kv_picker.scheduling.types import ProfileResult, SchedulingResult
+from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scorers.kv_cache_utilization import (
     KVCacheUtilizationParams,
     KVCacheUtilizationScorer,

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
+from kv_picker.endpoint import ROLE_LABEL
 from kv_picker.errors import BadRequestError, ConfigError, SaturatedError
 from kv_picker.handlers.extproc import RequestStream
 from kv_picker.scheduling.signals import PREFIX_MATCH
-from kv_picker.state.endpoints import ROLE_LABEL
 from tests.fakes import ManualClock, make_director, make_request, make_scheduler, make_store
 from tests.picker.handlers.test_extproc_stream import body_message, headers_message, run
 
@@ -122,17 +122,15 @@ def test_saturation_sheds_only_sheddable() -> None:
     assert director.admission.saturation(store.all()) == pytest.approx((2.0 + 0.9 / 0.8) / 2)
     sheddable = make_request(headers={"x-llm-d-inference-objective": "batch"})
     with pytest.raises(SaturatedError) as info:
-        director.schedule(sheddable, None)
+        director.route(sheddable)
     assert info.value.status == 429 and "sheddable" in info.value.message
-    assert director.schedule(make_request(), None).primary.targets
+    assert director.route(make_request()).endpoint
     store.update_metrics(store.all()[0].id, waiting=0, running=0, kv_usage=0.1)
     store.update_metrics(store.all()[1].id, waiting=1, running=0, kv_usage=0.1)
-    assert director.schedule(
-        make_request(headers={"x-llm-d-inference-objective": "batch"}), None
-    ).primary.targets
+    assert director.route(make_request(headers={"x-llm-d-inference-objective": "batch"})).endpoint
     clock.advance(60)  # every scrape stale: unknown load counts as saturated
     with pytest.raises(SaturatedError):
-        director.schedule(make_request(headers={"x-llm-d-inference-objective": "batch"}), None)
+        director.route(make_request(headers={"x-llm-d-inference-objective": "batch"}))
     exposition = director.metrics.exposition().decode()
     assert 'kv_picker_admission_decisions_total{decision="shed"} 2.0' in exposition
 

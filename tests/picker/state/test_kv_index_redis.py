@@ -14,10 +14,11 @@ import pytest
 
 from kv_picker.config import parse_config
 from kv_picker.director import Director
+from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
-from kv_picker.scheduling.registry import builtin_registry
+from kv_picker.plugins import builtin_registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.state.endpoints import EndpointId, EndpointSpec, EndpointStore
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import EventKeys, KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker_bench.valkey import ValkeyServer
@@ -187,20 +188,19 @@ async def test_outage_means_no_signal_and_the_signal_returns(server: ValkeyServe
     prompt = "the shared context of this group of users " * 30
     try:
         await wait_for(lambda: index.available)
-        tokens = director.scheduler.plugins["prefix-cache-scorer"].precise.tokenizer.encode(prompt)
+        tokens = director.scheduler.plugins["prefix-cache-scorer"].tokenizer.encode(prompt)
         blocks = len(tokens) // 16
         index.apply_stored(2, list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16, "m")
         await settle(index)
 
         async def route() -> tuple[str, float]:
-            request = make_request(prompt, body={"model": "m", "prompt": prompt})
+            request = make_request(prompt)
             pending = director.prepare(request)
             assert pending is not None  # the lookup is fetched before scheduling
             started = time.monotonic()
             await pending
             elapsed = time.monotonic() - started
-            result = director.schedule(request, None)
-            return result.primary.targets[0].address, elapsed
+            return director.route(request).endpoint.address, elapsed
 
         assert (await route())[0] == "10.0.0.3:8000"
         server.kill()

@@ -1,0 +1,243 @@
+"""Contracts between the scheduling framework and its plugins.
+
+A request is scheduled once per profile. A profile runs its filters in order, asks every scorer
+for a score in [0,1] per candidate, clamps, multiplies by the profile's weight and sums, then
+hands the totals to its picker. A profile handler decides which profiles run, which one is
+primary (its pick is where Envoy sends the request) and which one, if any, picked the prefill
+endpoint.
+
+Plugins are small: they never see weights, clamping or timing, which live in the framework.
+
+A plugin is of exactly one *kind*, decided by :func:`kind_of` from the Protocol its class
+implements, and may add *capabilities*:
+
+```
+kinds (exactly one)          capabilities (any)
+  Filter          filter()     Prepare           prepare()            async work before the pick
+  Scorer          score()      PostPick          on_pick()            after a successful pick
+  Picker          pick()       ResponseHeaders   response_headers()   headers on the response
+  ProfileHandler  schedule()   RequiresProfiles  required_profiles()  profiles that must exist
+                               CollectsMetrics   collect_metrics()    gauges for /metrics
+```
+
+This module is the bottom of the scheduling layer: it imports nothing from ``state/``,
+``scorers/`` or the service around it (a test enforces it), so a plugin written against it
+depends on the contracts only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from kv_picker.endpoint import Endpoint, EndpointId
+from kv_picker.errors import ConfigError
+from kv_picker.request import ChatMessage, LLMRequest, Prompt
+
+__all__ = [
+    "ChatMessage",
+    "CollectsMetrics",
+    "Endpoint",
+    "EndpointId",
+    "Filter",
+    "LLMRequest",
+    "Picker",
+    "PluginGauge",
+    "PluginKind",
+    "PostPick",
+    "Prepare",
+    "ProfileHandler",
+    "ProfileResult",
+    "ProfileRunner",
+    "Prompt",
+    "RequiresProfiles",
+    "ResponseHeaders",
+    "SchedulingResult",
+    "Scorer",
+    "kind_of",
+]
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    """What one profile picked, best first, with the scores that led there."""
+
+    targets: list[Endpoint]
+    candidates: Sequence[Endpoint]
+    totals: list[float]
+    # scorer name -> clamped per-candidate scores; filled only when explaining.
+    breakdown: dict[str, list[float]] | None = None
+
+
+@dataclass(slots=True)
+class SchedulingResult:
+    """All profiles' results.
+
+    Attributes:
+        primary_profile: the profile whose first target is the destination.
+        profile_results: every profile that ran, by name.
+        prefill_profile: the profile that picked a separate prefill endpoint (P/D), named by
+            the profile handler; None when the request is served aggregated.
+    """
+
+    primary_profile: str
+    profile_results: dict[str, ProfileResult]
+    prefill_profile: str | None = None
+
+    @property
+    def primary(self) -> ProfileResult:
+        return self.profile_results[self.primary_profile]
+
+    @property
+    def destination(self) -> Endpoint:
+        """Where Envoy sends the request."""
+        return self.profile_results[self.primary_profile].targets[0]
+
+    @property
+    def prefill_endpoint(self) -> Endpoint | None:
+        """The endpoint that computes the prompt when it is not the destination (P/D)."""
+        if self.prefill_profile is None:
+            return None
+        result = self.profile_results.get(self.prefill_profile)
+        if result is None or not result.targets:
+            return None
+        return result.targets[0]
+
+
+# -- kinds ------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Filter(Protocol):
+    def filter(self, request: LLMRequest, candidates: list[Endpoint]) -> list[Endpoint]:
+        """Return the candidates that may serve the request (a new list or the same one)."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        """Write a score in [0,1] for ``candidates[i]`` into ``out[i]`` (preset to 0)."""
+        ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    def pick(
+        self, request: LLMRequest, candidates: Sequence[Endpoint], totals: Sequence[float]
+    ) -> list[Endpoint]:
+        """Choose endpoints, best first (at least one when candidates are non-empty)."""
+        ...
+
+
+class ProfileRunner(Protocol):
+    """What a profile handler gets to run one profile."""
+
+    def __call__(
+        self, profile_name: str, request: LLMRequest, candidates: list[Endpoint]
+    ) -> ProfileResult: ...
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    def schedule(
+        self,
+        request: LLMRequest,
+        candidates: list[Endpoint],
+        profile_names: Sequence[str],
+        run_profile: ProfileRunner,
+    ) -> SchedulingResult:
+        """Run the profiles this request needs; name the primary (and prefill) profile."""
+        ...
+
+
+# -- capabilities -----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Prepare(Protocol):
+    def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
+        """Start async work the request needs before the synchronous schedule.
+
+        Returns an awaitable the caller awaits before scheduling (e.g. tokenizing a long prompt
+        on a thread pool, fetching index entries from a shared backend), or None when there is
+        nothing to wait for (the common case: no coroutine is created). The work must not raise;
+        whatever it could not do means "no signal" in the plugin's scores.
+        """
+        ...
+
+
+@runtime_checkable
+class PostPick(Protocol):
+    def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """Called once after a successful schedule (e.g. to record blocks sent)."""
+        ...
+
+
+@runtime_checkable
+class ResponseHeaders(Protocol):
+    def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
+        """Headers to add to the response of ``request`` served by ``endpoint``."""
+        ...
+
+
+@runtime_checkable
+class RequiresProfiles(Protocol):
+    def required_profiles(self) -> tuple[str, ...]:
+        """Scheduling profiles that must exist for this plugin to work (checked at load)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PluginGauge:
+    """One value a plugin reports on ``/metrics``, labelled there with the plugin's name.
+
+    Attributes:
+        name: the metric's full name (``kv_picker_`` prefix).
+        documentation: its help text.
+        value: the current value.
+    """
+
+    name: str
+    documentation: str
+    value: float
+
+
+@runtime_checkable
+class CollectsMetrics(Protocol):
+    def collect_metrics(self) -> Iterable[PluginGauge]:
+        """Current values of the plugin's own gauges (called on every scrape of ``/metrics``)."""
+        ...
+
+
+# -- kind_of ----------------------------------------------------------------------------------
+
+PluginKind = Literal["filter", "scorer", "picker", "profile-handler"]
+
+_KINDS: tuple[tuple[PluginKind, type], ...] = (
+    ("filter", Filter),
+    ("scorer", Scorer),
+    ("picker", Picker),
+    ("profile-handler", ProfileHandler),
+)
+
+
+def kind_of(cls: type) -> PluginKind:
+    """The one kind a plugin class implements.
+
+    Raises:
+        ConfigError: the class implements no kind, or more than one.
+    """
+    kinds = [kind for kind, protocol in _KINDS if issubclass(cls, protocol)]
+    if len(kinds) == 1:
+        return kinds[0]
+    methods = ", ".join(f"{protocol.__name__}.{kind_method(kind)}()" for kind, protocol in _KINDS)
+    if not kinds:
+        raise ConfigError(f"plugin class {cls.__name__} implements no plugin kind ({methods})")
+    raise ConfigError(f"plugin class {cls.__name__} implements several kinds: {', '.join(kinds)}")
+
+
+def kind_method(kind: PluginKind) -> str:
+    """The method that makes a class a plugin of ``kind``."""
+    return {"filter": "filter", "scorer": "score", "picker": "pick"}.get(kind, "schedule")
