@@ -23,9 +23,24 @@ from pathlib import Path
 
 from kv_picker.config import parse_duration_s
 from kv_picker.errors import ConfigError
+from kv_picker_bench.harness.paths import (
+    TRACES_ENV,
+    find_trace,
+    is_trace_name,
+    portable_argv,
+    portable_path,
+    repository_root,
+    traces_dir,
+)
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
 from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup
-from kv_picker_bench.harness.traces import Trace, TraceError, parse_trace_spec, slice_trace
+from kv_picker_bench.harness.traces import (
+    GENERATORS,
+    Trace,
+    TraceError,
+    parse_trace_spec,
+    slice_trace,
+)
 from kv_picker_bench.sim.engine import HARDWARE_CLASSES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -60,9 +75,12 @@ def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True)
         "--trace",
         required=True,
         metavar="SPEC",
-        help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line) or "
-        "a generator: shared-prefix:groups=150,users=5,context=6000,question=1200,output=1000,"
-        "requests=2000,rate=20 | llm-d (llm-d's published workload and load ladder) | "
+        help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line), "
+        f"a trace NAME found as NAME_trace.jsonl or NAME.jsonl in ${TRACES_ENV} (default: "
+        "shared/traces next to the repository; e.g. 'conversation' for Mooncake's "
+        "conversation_trace.jsonl), or a generator: shared-prefix:groups=150,users=5,"
+        "context=6000,question=1200,output=1000,requests=2000,rate=20 | llm-d (llm-d's "
+        "published workload and load ladder) | "
         "chat:sessions=200,turns=5,system=1000,user=200,output=200,think=10,rate=2",
     )
     group.add_argument("--first", type=int, metavar="N", help="keep the first N requests")
@@ -364,11 +382,26 @@ def _duration_or_zero(text: str, where: str) -> float:
 def trace_from_args(args: argparse.Namespace, load: float = 1.0) -> Trace:
     """The trace ``--trace`` names, sliced by ``--window`` and ``--first``, scaled by ``load``.
 
+    A file trace's ``source`` is recorded as :func:`~.paths.portable_path` writes it.
+
     Raises:
         TraceError: If the trace cannot be read or generated, or nothing is left of it.
         UsageError: If ``--window`` is invalid.
     """
-    trace = parse_trace_spec(args.trace)
+    spec: str = args.trace
+    if spec.partition(":")[0] not in GENERATORS and is_trace_name(spec):
+        directory = traces_dir()
+        found = find_trace(spec, directory)
+        if found is None:
+            raise TraceError(
+                f"--trace {spec!r}: not a file, a generator ({', '.join(GENERATORS)}) or a trace "
+                f"in {directory} ({spec}_trace.jsonl or {spec}.jsonl; set {TRACES_ENV} to look "
+                "elsewhere)"
+            )
+        spec = str(found)
+    trace = parse_trace_spec(spec)
+    if Path(spec).is_file():
+        trace.source = portable_path(spec)
     return slice_trace(trace, first=args.first, window_s=parse_window(args.window), load=load)
 
 
@@ -409,14 +442,18 @@ def results_dir(args: argparse.Namespace, command: str, trace_name: str) -> Path
 def record_command(folder: Path, command: str, argv: Sequence[str]) -> str:
     """Writes ``command.txt`` into the results folder and returns the command line.
 
+    Paths in the command are relative to the repository root (see :mod:`~.paths`), so the
+    record reads the same on every machine and runs again from the root.
+
     Args:
         folder: The results folder.
         command: The command's name.
         argv: The command's arguments.
     """
-    text = "kv-picker bench " + shlex.join([command, *argv])
+    text = "kv-picker bench " + shlex.join([command, *portable_argv(argv)])
+    where = "the repository root" if repository_root() else "the working directory of the run"
     (folder / "command.txt").write_text(
-        f"{text}\n# cwd: {Path.cwd()}\n# python: {shlex.join(sys.argv)}\n", encoding="utf-8"
+        f"{text}\n# paths are relative to {where}\n", encoding="utf-8"
     )
     return text
 

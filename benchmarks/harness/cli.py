@@ -2,8 +2,8 @@
 
 Their flags, and those the live commands share, are in :mod:`~kv_picker_bench.harness.args`.
 Every run writes a results folder (``results/<time>-<command>-<trace>/`` unless ``--out``):
-``command.txt`` (the exact command and working directory), ``results.md``, ``results.json``
-and PNG plots. Exit codes: 0 success, 1 runtime failure, 2 bad usage, trace
+``command.txt`` (the command, its paths relative to the repository root), ``results.md``,
+``results.json`` and PNG plots. Exit codes: 0 success, 1 runtime failure, 2 bad usage, trace
 or config.
 
 Offline runs fan the (load, policy) jobs out over ``--jobs`` processes; each job is
