@@ -1,4 +1,4 @@
-"""``python -m benchmarks <command>`` (also ``kv-picker bench <command>``)."""
+"""``kv-picker bench <command>`` (also ``python -m kv_picker_bench <command>``)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,6 @@ demo = Command(
     "kv_picker_bench.demo:main",
 )
 sim_endpoint = Command(
-    "run one simulated vLLM endpoint (see sim-endpoint --help)", "kv_picker_bench.sim.server:main"
+    "run one simulated vLLM endpoint (see sim-endpoint --help)", "kv_picker_bench.sim.cli:main"
 )
 bench = Command("benchmarks (see bench --help)", "kv_picker_bench.__main__:main")

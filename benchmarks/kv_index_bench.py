@@ -16,7 +16,7 @@ Four measurements, all in one run so the ratios compare like with like:
    against a Redis/Valkey server this benchmark starts on 127.0.0.1 and stops
    (:mod:`kv_picker_bench.valkey`).
 
-``python -m benchmarks kv-index [--quick] [--out DIR]``.
+``kv-picker bench kv-index [--quick] [--out DIR]``.
 """
 
 from __future__ import annotations

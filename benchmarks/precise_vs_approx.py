@@ -18,7 +18,7 @@ kv-utilization 1, active requests 1) and differ only in the prefix scorer's mode
 TTFT come from the endpoints' own metrics (``vllm:prefix_cache_hits/queries``,
 ``vllm:time_to_first_token_seconds``, in model seconds), per phase.
 
-``python -m benchmarks precise-vs-approx [--quick] [--out DIR]``.
+``kv-picker bench precise-vs-approx [--quick] [--out DIR]``.
 """
 
 from __future__ import annotations

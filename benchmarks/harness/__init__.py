@@ -12,5 +12,7 @@ and timing. The layers, each usable on its own:
 - :mod:`~kv_picker_bench.harness.report`: metrics, hit-ratio bounds, Markdown, JSON and plots.
 - :mod:`~kv_picker_bench.harness.live` and :mod:`~kv_picker_bench.harness.peers`: the same trace slice
   through real Envoy + kv-picker, or through vllm-router / sglang-router, over HTTP.
-- :mod:`~kv_picker_bench.harness.cli`: ``kv-picker bench replay|sweep|live|peers``.
+- :mod:`~kv_picker_bench.harness.args`: the commands' shared flags, results folders and errors.
+- :mod:`~kv_picker_bench.harness.cli`: the offline commands, ``kv-picker bench replay|sweep``
+  (``live`` and ``peers`` run from :mod:`~kv_picker_bench.harness.live`).
 """

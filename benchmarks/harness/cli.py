@@ -1,9 +1,10 @@
-"""Command line of the harness: ``kv-picker bench replay|sweep|live|peers`` (also
-``python -m benchmarks ...``).
+"""The offline commands of the harness: ``kv-picker bench replay`` and ``kv-picker bench sweep``.
 
+Their flags, and those the live commands share, are in :mod:`~kv_picker_bench.harness.args`.
 Every run writes a results folder (``results/<time>-<command>-<trace>/`` unless ``--out``):
-``command.txt`` (the exact command and working directory), ``results.md``, ``results.json``
-and PNG plots. Exit codes: 0 success, 1 runtime failure, 2 bad usage, trace or config.
+``command.txt`` (the command, its paths relative to the repository root), ``results.md``,
+``results.json`` and PNG plots. Exit codes: 0 success, 1 runtime failure, 2 bad usage, trace
+or config.
 
 Offline runs fan the (load, policy) jobs out over ``--jobs`` processes; each job is
 deterministic under ``--seed``, so the result does not depend on the number of processes.
@@ -11,22 +12,27 @@ deterministic under ``--seed``, so the result does not depend on the number of p
 
 from __future__ import annotations
 
-import argparse
-import math
+import json
 import multiprocessing
-import os
-import re
-import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_picker.decode import parse_duration_s
-from kv_picker.errors import ConfigError
-from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
+from kv_picker_bench.harness.args import (
+    EXIT_OK,
+    build_parser,
+    cluster_from_args,
+    parse_loads,
+    policies_from_args,
+    record_command,
+    results_dir,
+    run_command,
+    trace_from_args,
+)
+from kv_picker_bench.harness.policies import Policy, harness_registry
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
@@ -40,238 +46,8 @@ from kv_picker_bench.harness.report import (
     summarize,
     write_json,
 )
-from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
-from kv_picker_bench.harness.traces import Trace, TraceError, parse_trace_spec, slice_trace
-from kv_picker_bench.sim.engine import HARDWARE_CLASSES
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-RESULTS_DIR = Path("results")
-
-
-class UsageError(Exception):
-    """A bad flag value; reported as ``kv-picker bench: error: ...`` with exit code 2."""
-
-
-# ------------------------------------------------------------------------------ parsing
-
-
-def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True) -> None:
-    group = parser.add_argument_group("trace")
-    group.add_argument(
-        "--trace",
-        required=True,
-        metavar="SPEC",
-        help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line) or "
-        "a generator: shared-prefix:groups=150,users=5,context=6000,question=1200,output=1000,"
-        "requests=2000,rate=20 | llm-d (llm-d's published workload and load ladder) | "
-        "chat:sessions=200,turns=5,system=1000,user=200,output=200,think=10,rate=2",
-    )
-    group.add_argument("--first", type=int, metavar="N", help="keep the first N requests")
-    group.add_argument(
-        "--window",
-        metavar="START:END",
-        help="keep requests arriving in [START, END) seconds of trace time (applied before --first)",
-    )
-    if with_load:
-        group.add_argument(
-            "--load",
-            type=float,
-            default=1.0,
-            metavar="X",
-            help="multiply the arrival rate by X (timestamps divided by X; default 1)",
-        )
-
-
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("cluster")
-    group.add_argument(
-        "--endpoints", type=int, default=16, help="identical H100 endpoints (default 16)"
-    )
-    group.add_argument(
-        "--endpoint",
-        action="append",
-        default=[],
-        metavar="ROLE[:HW[:BLOCKS]][xCOUNT]",
-        help="heterogeneous cluster instead of --endpoints, repeatable: e.g. prefill:H100x4 "
-        f"decode:H100x12 both:A100:16384x2; roles both|prefill|decode, hardware "
-        f"{'|'.join(sorted(HARDWARE_CLASSES))}",
-    )
-    group.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=32_768,
-        help="KV capacity of an H100-class endpoint in blocks, scaled by hardware class "
-        "(default 32768 = 524,288 tokens of 16)",
-    )
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="per endpoint (64)")
-    group.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="step token budget (8192)"
-    )
-    group.add_argument(
-        "--max-model-len", type=int, default=131_072, help="longest prompt+output (131072)"
-    )
-    group.add_argument(
-        "--scrape-interval",
-        default="50ms",
-        help="simulated metrics scrape period; scorers see values up to this old (50ms)",
-    )
-    group.add_argument(
-        "--kv-event-delay",
-        default="0",
-        help="delay of KV events reaching event-driven plugins, e.g. 20ms (0)",
-    )
-    group.add_argument(
-        "--pd",
-        action="store_true",
-        help="P/D: run each policy as a decode and a prefill profile under pd-profile-handler "
-        "(give prefill and decode endpoints with --endpoint)",
-    )
-    group.add_argument(
-        "--pd-threshold-tokens",
-        type=int,
-        default=1,
-        help="with --pd: disaggregate when at least this many prompt tokens are not cached on "
-        "the chosen decode endpoint (pd-profile-handler's nonCachedTokens; default 1)",
-    )
-    group.add_argument(
-        "--transfer-gbps",
-        type=float,
-        default=200.0,
-        help="P/D KV transfer bandwidth in Gbit/s (200)",
-    )
-    group.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=131_072,
-        help="KV bytes per token, for transfer time and volume (131072: an 8B model in fp16)",
-    )
-
-
-def add_policy_arguments(parser: argparse.ArgumentParser, offline: bool = True) -> None:
-    group = parser.add_argument_group("policies")
-    group.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="NAME|NAME=FILE|FILE",
-        help="a baseline (random, round-robin, least-queue, gie-default, sglang-cache-aware, "
-        "dynamo-cost, kv-picker), 'baselines' for all of them (the default), or an "
-        "EndpointPickerConfig YAML file, optionally named; repeatable",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
-
-
-def add_output_arguments(parser: argparse.ArgumentParser, offline: bool = True) -> None:
-    group = parser.add_argument_group("output")
-    group.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
-    group.add_argument("--title", default="", help="title of the Markdown report")
-    group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    group.add_argument("--quiet", action="store_true", help="no progress bar")
-    if offline:
-        group.add_argument(
-            "--jobs",
-            type=int,
-            default=min(2, os.cpu_count() or 1),
-            help="worker processes for the (load, policy) jobs (default: up to 2)",
-        )
-        group.add_argument(
-            "--save-requests",
-            action="store_true",
-            help="also write one JSONL line per request and policy",
-        )
-
-
-def parse_window(text: str | None) -> tuple[float, float] | None:
-    if not text:
-        return None
-    start, _, end = text.partition(":")
-    try:
-        return float(start), float(end)
-    except ValueError:
-        raise UsageError(f"--window {text!r}: expected START:END in seconds") from None
-
-
-_ENDPOINT_RE = re.compile(r"^(both|prefill|decode)(?::([A-Za-z0-9]+?))?(?::(\d+))?(?:x(\d+))?$")
-
-
-def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
-    endpoints: list[EndpointSetup] = []
-    for item in args.endpoint:
-        match = _ENDPOINT_RE.match(item)
-        if not match:
-            raise UsageError(
-                f"--endpoint {item!r}: expected ROLE[:HW[:BLOCKS]][xCOUNT], e.g. decode:H100x4"
-            )
-        role, hardware, blocks, count = match.groups()
-        hardware = hardware or "H100"
-        if hardware not in HARDWARE_CLASSES:
-            raise UsageError(
-                f"--endpoint {item!r}: unknown hardware {hardware!r}; known: "
-                f"{', '.join(sorted(HARDWARE_CLASSES))}"
-            )
-        setup = EndpointSetup(role, hardware, int(blocks) if blocks else None)
-        endpoints.extend([setup] * int(count or 1))
-    if not endpoints:
-        if args.endpoints < 1:
-            raise UsageError("--endpoints must be >= 1")
-        endpoints = [EndpointSetup()] * args.endpoints
-    try:
-        return ClusterConfig(
-            endpoints=tuple(endpoints),
-            block_size=args.block_size,
-            num_gpu_blocks=args.num_gpu_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            scrape_interval_s=parse_duration_s(args.scrape_interval, "--scrape-interval"),
-            kv_event_delay_s=_duration_or_zero(args.kv_event_delay, "--kv-event-delay"),
-            transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
-            kv_bytes_per_token=args.kv_bytes_per_token,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _duration_or_zero(text: str, where: str) -> float:
-    if text.strip() in ("0", "0s", "0ms"):
-        return 0.0
-    return parse_duration_s(text, where)
-
-
-def trace_from_args(args: argparse.Namespace, load: float = 1.0) -> Trace:
-    trace = parse_trace_spec(args.trace)
-    return slice_trace(trace, first=args.first, window_s=parse_window(args.window), load=load)
-
-
-def policies_from_args(args: argparse.Namespace) -> list[Policy]:
-    policies = resolve_policies(args.policy)
-    if getattr(args, "pd", False):
-        policies = [pd_variant(p, args.pd_threshold_tokens) for p in policies]
-    registry = harness_registry()
-    for policy in policies:
-        policy.config(registry)  # fail before any work on a bad config
-    return policies
-
-
-def results_dir(args: argparse.Namespace, command: str, trace_name: str) -> Path:
-    if args.out is not None:
-        path = Path(args.out)
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", trace_name)[:40]
-        path = RESULTS_DIR / f"{stamp}-{command}-{safe}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def record_command(folder: Path, command: str, argv: Sequence[str]) -> str:
-    text = "kv-picker bench " + shlex.join([command, *argv])
-    (folder / "command.txt").write_text(
-        f"{text}\n# cwd: {Path.cwd()}\n# python: {shlex.join(sys.argv)}\n", encoding="utf-8"
-    )
-    return text
-
+from kv_picker_bench.harness.simulator import ClusterConfig, run_policy
+from kv_picker_bench.harness.traces import Trace, slice_trace
 
 # ----------------------------------------------------------------------------- offline
 
@@ -468,8 +244,6 @@ def _write_offline_report(
     write_json(folder / "results.json", document)
     for result in results:
         if result.requests:
-            import json
-
             path = folder / f"requests-x{result.load:g}-{result.metrics.policy}.jsonl"
             with path.open("w", encoding="utf-8") as handle:
                 for row in result.requests:
@@ -500,7 +274,7 @@ def _offline(argv: Sequence[str], command: str, sweep: bool) -> int:
     parser = build_parser(command)
     args = parser.parse_args(list(argv))
     started = time.perf_counter()
-    loads = _parse_loads(args.loads) if sweep else [args.load]
+    loads = parse_loads(args.loads) if sweep else [args.load]
     config = cluster_from_args(args)
     policies = policies_from_args(args)
     base = trace_from_args(args)
@@ -526,71 +300,11 @@ def _offline(argv: Sequence[str], command: str, sweep: bool) -> int:
     return EXIT_OK
 
 
-def _parse_loads(text: str) -> list[float]:
-    try:
-        loads = [float(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise UsageError(f"--loads {text!r}: expected numbers such as 1,2,4") from None
-    if not loads or any(not (x > 0 and math.isfinite(x)) for x in loads):
-        raise UsageError("--loads: give positive numbers such as 1,2,4")
-    return sorted(set(loads))
-
-
-# ------------------------------------------------------------------------------ parsers
-
-
-def build_parser(command: str) -> argparse.ArgumentParser:
-    """The argument parser of one harness command."""
-    descriptions = {
-        "replay": "Replay a trace offline through the cluster simulator, every policy on the "
-        "same requests, and write a Markdown table, JSON and plots.",
-        "sweep": "Offline replay at several offered loads (arrival rate multipliers) x policies; "
-        "adds a TTFT-vs-load plot.",
-        "live": "Replay a trace slice, time-scaled, through real Envoy + kv-picker + simulated "
-        "vLLM endpoints over HTTP (kv-picker policies only).",
-        "peers": "Replay a trace slice through vllm-router and/or sglang-router in front of the "
-        "same simulated endpoints, for comparison with live mode.",
-    }
-    parser = argparse.ArgumentParser(
-        prog=f"kv-picker bench {command}",
-        description=descriptions[command],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter
-        if command not in ("replay", "sweep")
-        else argparse.HelpFormatter,
-    )
-    offline = command in ("replay", "sweep")
-    add_trace_arguments(parser, with_load=command != "sweep")
-    if command == "sweep":
-        parser.add_argument(
-            "--loads",
-            default="1,2,4,8",
-            help="comma-separated arrival-rate multipliers (default 1,2,4,8)",
-        )
-    add_cluster_arguments(parser)
-    if command != "peers":
-        add_policy_arguments(parser, offline)
-    add_output_arguments(parser, offline)
-    if not offline:
-        from kv_picker_bench.harness.live import add_live_arguments
-
-        add_live_arguments(parser, command)
-    return parser
-
-
-def run_command(command: str, argv: Sequence[str], body: Callable[[], int]) -> int:
-    """Run a command body, mapping the harness's errors to messages and exit codes."""
-    try:
-        return body()
-    except (UsageError, TraceError, ConfigError) as exc:
-        print(f"kv-picker bench {command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return EXIT_FAILURE
-
-
 def replay_main(argv: Sequence[str]) -> int:
+    """``kv-picker bench replay``: returns the exit code."""
     return run_command("replay", argv, lambda: _offline(argv, "replay", sweep=False))
 
 
 def sweep_main(argv: Sequence[str]) -> int:
+    """``kv-picker bench sweep``: returns the exit code."""
     return run_command("sweep", argv, lambda: _offline(argv, "sweep", sweep=True))

@@ -47,6 +47,20 @@ import aiohttp
 
 from kv_picker.plugins import builtin_registry
 from kv_picker_bench.client import Outcome, send
+from kv_picker_bench.harness.args import (
+    DEFAULT_PEERS,
+    EXIT_FAILURE,
+    EXIT_OK,
+    UsageError,
+    build_parser,
+    cluster_from_args,
+    parse_peer,
+    policies_from_args,
+    record_command,
+    results_dir,
+    run_command,
+    trace_from_args,
+)
 from kv_picker_bench.harness.policies import Policy
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
@@ -63,13 +77,6 @@ from kv_picker_bench.harness.traces import Trace, prompt_text
 from kv_picker_bench.localstack import LocalStack, ManagedProcess, SimSpec, free_port, http_get
 from kv_picker_bench.workloads import WorkloadRequest
 
-PEER_ROUTERS = ("vllm-router", "sglang-router")
-DEFAULT_PEERS = (
-    "vllm-router:round_robin",
-    "vllm-router:cache_aware",
-    "sglang-router:round_robin",
-    "sglang-router:cache_aware",
-)
 # Explicit, as peers.md §1.9 advises: the defaults differ between versions.
 PEER_CACHE_FLAGS = (
     "--cache-threshold",
@@ -82,67 +89,12 @@ PEER_CACHE_FLAGS = (
 _BIN_ENV = {"vllm-router": "VLLM_ROUTER_BIN", "sglang-router": "SGLANG_ROUTER_BIN"}
 
 
-def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    group = parser.add_argument_group("live replay")
-    group.add_argument(
-        "--time-scale",
-        type=float,
-        default=0.05,
-        help="wall seconds per model second, for the endpoints and the arrival schedule",
-    )
-    group.add_argument(
-        "--timeout", type=float, default=300.0, help="per-request timeout in wall seconds"
-    )
-    group.add_argument(
-        "--keep-alive",
-        action="store_true",
-        help="reuse client connections (default: one fresh connection per request)",
-    )
-    if command == "live":
-        group.add_argument(
-            "--body-mode",
-            choices=("FULL_DUPLEX_STREAMED", "BUFFERED"),
-            default="FULL_DUPLEX_STREAMED",
-            help="Envoy's ext_proc request body mode",
-        )
-    group.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        metavar="ROUTER:POLICY",
-        help="a peer router run on the same endpoints, e.g. vllm-router:cache_aware, "
-        "sglang-router:round_robin; repeatable"
-        + (f" (default: {' '.join(DEFAULT_PEERS)})" if command == "peers" else ""),
-    )
-    group.add_argument(
-        "--vllm-router-bin",
-        default=None,
-        help="vllm-router executable (default: $VLLM_ROUTER_BIN or PATH)",
-    )
-    group.add_argument(
-        "--sglang-router-bin",
-        default=None,
-        help="sglang-router executable (default: $SGLANG_ROUTER_BIN or PATH)",
-    )
-
-
 def router_binary(router: str, explicit: str | None = None) -> str | None:
     """The executable of a peer router: the flag, the environment variable, or PATH."""
     candidate = explicit or os.environ.get(_BIN_ENV[router]) or shutil.which(router)
     if candidate and (os.access(candidate, os.X_OK) or shutil.which(candidate)):
         return candidate
     return None
-
-
-def parse_peer(item: str) -> tuple[str, str]:
-    from kv_picker_bench.harness.cli import UsageError
-
-    router, sep, policy = item.partition(":")
-    if router not in PEER_ROUTERS or not sep or not policy:
-        raise UsageError(
-            f"--peer {item!r}: expected ROUTER:POLICY with ROUTER one of {', '.join(PEER_ROUTERS)}"
-        )
-    return router, policy
 
 
 # ------------------------------------------------------------------------------ client
@@ -298,8 +250,6 @@ def live_picker_config(
     The scrape interval is scaled to wall time (at least 50 ms, so that scraping N endpoints
     over HTTP stays cheap) unless the policy sets its own ``metrics`` section.
     """
-    from kv_picker_bench.harness.cli import UsageError
-
     document = dict(policy.document)
     try:
         policy.config(builtin_registry())
@@ -364,18 +314,6 @@ def start_peer(
 
 
 def run_live(argv: Sequence[str], command: str) -> int:
-    from kv_picker_bench.harness.cli import (
-        EXIT_FAILURE,
-        EXIT_OK,
-        UsageError,
-        build_parser,
-        cluster_from_args,
-        policies_from_args,
-        record_command,
-        results_dir,
-        trace_from_args,
-    )
-
     parser = build_parser(command)
     args = parser.parse_args(list(argv))
     if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
@@ -536,8 +474,6 @@ def _progress(args: argparse.Namespace, run: LiveRun) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kv-picker bench live``."""
-    from kv_picker_bench.harness.cli import run_command
-
     args = list(sys.argv[1:] if argv is None else argv)
     with contextlib.suppress(BrokenPipeError):
         return run_command("live", args, lambda: run_live(args, "live"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kv_picker_bench.harness.cli import run_command
+from kv_picker_bench.harness.args import run_command
 from kv_picker_bench.harness.live import run_live
 
 

@@ -8,8 +8,11 @@ Layers, each usable on its own:
   shared with the offline cluster simulator.
 - :mod:`~kv_picker_bench.sim.events`: the cache's changes as vLLM KV events (ZMQ PUB, msgpack,
   array or map encoding) with a replay socket.
-- :mod:`~kv_picker_bench.sim.server`: the aiohttp OpenAI-compatible server, ``/metrics`` and the
-  command line (``python -m kv_picker_bench.sim --port 8000``).
+- :mod:`~kv_picker_bench.sim.openai_api`: the OpenAI-compatible HTTP layer (aiohttp): request
+  parsing, SSE streaming, error bodies, ``/v1/models``, ``/health``, ``/metrics``.
+- :mod:`~kv_picker_bench.sim.endpoint`: :class:`SimEndpoint`, the engine run in model time behind
+  that API, with P/D prefill legs, KV transfer and KV-event publishing.
+- :mod:`~kv_picker_bench.sim.cli`: the command line (``python -m kv_picker_bench.sim --port 8000``).
 """
 
 from kv_picker_bench.sim.cache import (
@@ -19,6 +22,8 @@ from kv_picker_bench.sim.cache import (
     PrefixCache,
     StoredBlock,
 )
+from kv_picker_bench.sim.cli import build_parser, config_from_args, main, serve
+from kv_picker_bench.sim.endpoint import ROLES, SimEndpoint, SimEndpointConfig, start_sim_endpoint
 from kv_picker_bench.sim.engine import (
     DEFAULT_NUM_GPU_BLOCKS,
     HARDWARE_CLASSES,
@@ -34,16 +39,7 @@ from kv_picker_bench.sim.engine import (
     hardware_class,
 )
 from kv_picker_bench.sim.events import KVEventPublisher
-from kv_picker_bench.sim.server import (
-    ENDPOINT_HEADER,
-    ROLES,
-    SimEndpoint,
-    SimEndpointConfig,
-    build_parser,
-    main,
-    serve,
-    start_sim_endpoint,
-)
+from kv_picker_bench.sim.openai_api import ENDPOINT_HEADER
 from kv_picker_bench.sim.tokenizer import VOCAB_SIZE, decode, encode, render_chat
 
 __all__ = [
@@ -70,6 +66,7 @@ __all__ = [
     "TimingModel",
     "TokenEvent",
     "build_parser",
+    "config_from_args",
     "decode",
     "encode",
     "hardware_class",

@@ -1,0 +1,511 @@
+"""Flags of ``kv-picker bench replay|sweep|live|peers`` and what they turn into.
+
+Why a module of its own: the offline commands (:mod:`~kv_picker_bench.harness.cli`) and the live
+ones (:mod:`~kv_picker_bench.harness.live`, :mod:`~kv_picker_bench.harness.peers`) share their
+trace, cluster, policy and output flags, their results folders and their error handling. Both
+import this module, and it imports neither, so the commands do not import each other.
+
+Errors: a bad flag value raises :class:`UsageError`; :func:`run_command` reports it, like a bad
+trace or config, as ``kv-picker bench <command>: error: ...`` with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kv_picker.decode import parse_duration_s
+from kv_picker.errors import ConfigError
+from kv_picker_bench.harness.paths import (
+    TRACES_ENV,
+    find_trace,
+    is_trace_name,
+    portable_argv,
+    portable_path,
+    repository_root,
+    traces_dir,
+)
+from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policies
+from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup
+from kv_picker_bench.harness.traces import (
+    GENERATORS,
+    Trace,
+    TraceError,
+    parse_trace_spec,
+    slice_trace,
+)
+from kv_picker_bench.sim.engine import HARDWARE_CLASSES
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+RESULTS_DIR = Path("results")
+
+PEER_ROUTERS = ("vllm-router", "sglang-router")
+DEFAULT_PEERS = (
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "sglang-router:round_robin",
+    "sglang-router:cache_aware",
+)
+"""What ``kv-picker bench peers`` runs without ``--peer``."""
+
+
+class UsageError(Exception):
+    """A bad flag value; reported as ``kv-picker bench: error: ...`` with exit code 2."""
+
+
+# ------------------------------------------------------------------------------ parsers
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True) -> None:
+    """Adds ``--trace``, ``--first``, ``--window`` and (unless a sweep) ``--load``.
+
+    Args:
+        parser: The command's parser.
+        with_load: Add ``--load`` (a sweep has ``--loads`` instead).
+    """
+    group = parser.add_argument_group("trace")
+    group.add_argument(
+        "--trace",
+        required=True,
+        metavar="SPEC",
+        help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line), "
+        f"a trace NAME found as NAME_trace.jsonl or NAME.jsonl in ${TRACES_ENV} (default: "
+        "shared/traces next to the repository; e.g. 'conversation' for Mooncake's "
+        "conversation_trace.jsonl), or a generator: shared-prefix:groups=150,users=5,"
+        "context=6000,question=1200,output=1000,requests=2000,rate=20 | llm-d (llm-d's "
+        "published workload and load ladder) | "
+        "chat:sessions=200,turns=5,system=1000,user=200,output=200,think=10,rate=2",
+    )
+    group.add_argument("--first", type=int, metavar="N", help="keep the first N requests")
+    group.add_argument(
+        "--window",
+        metavar="START:END",
+        help="keep requests arriving in [START, END) seconds of trace time (applied before --first)",
+    )
+    if with_load:
+        group.add_argument(
+            "--load",
+            type=float,
+            default=1.0,
+            metavar="X",
+            help="multiply the arrival rate by X (timestamps divided by X; default 1)",
+        )
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the simulated cluster's flags: endpoints, capacity, batching, scraping and P/D.
+
+    Args:
+        parser: The command's parser.
+    """
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--endpoints", type=int, default=16, help="identical H100 endpoints (default 16)"
+    )
+    group.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="ROLE[:HW[:BLOCKS]][xCOUNT]",
+        help="heterogeneous cluster instead of --endpoints, repeatable: e.g. prefill:H100x4 "
+        f"decode:H100x12 both:A100:16384x2; roles both|prefill|decode, hardware "
+        f"{'|'.join(sorted(HARDWARE_CLASSES))}",
+    )
+    group.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=32_768,
+        help="KV capacity of an H100-class endpoint in blocks, scaled by hardware class "
+        "(default 32768 = 524,288 tokens of 16)",
+    )
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="per endpoint (64)")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="step token budget (8192)"
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=131_072, help="longest prompt+output (131072)"
+    )
+    group.add_argument(
+        "--scrape-interval",
+        default="50ms",
+        help="simulated metrics scrape period; scorers see values up to this old (50ms)",
+    )
+    group.add_argument(
+        "--kv-event-delay",
+        default="0",
+        help="delay of KV events reaching event-driven plugins, e.g. 20ms (0)",
+    )
+    group.add_argument(
+        "--pd",
+        action="store_true",
+        help="P/D: run each policy as a decode and a prefill profile under pd-profile-handler "
+        "(give prefill and decode endpoints with --endpoint)",
+    )
+    group.add_argument(
+        "--pd-threshold-tokens",
+        type=int,
+        default=1,
+        help="with --pd: disaggregate when at least this many prompt tokens are not cached on "
+        "the chosen decode endpoint (pd-profile-handler's nonCachedTokens; default 1)",
+    )
+    group.add_argument(
+        "--transfer-gbps",
+        type=float,
+        default=200.0,
+        help="P/D KV transfer bandwidth in Gbit/s (200)",
+    )
+    group.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131_072,
+        help="KV bytes per token, for transfer time and volume (131072: an 8B model in fp16)",
+    )
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser, offline: bool = True) -> None:
+    """Adds ``--policy`` (repeatable) and ``--seed``.
+
+    Args:
+        parser: The command's parser.
+        offline: Whether the command is an offline one (the flags are the same for both).
+    """
+    group = parser.add_argument_group("policies")
+    group.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME|NAME=FILE|FILE",
+        help="a baseline (random, round-robin, least-queue, gie-default, sglang-cache-aware, "
+        "dynamo-cost, kv-picker), 'baselines' for all of them (the default), or an "
+        "EndpointPickerConfig YAML file, optionally named; repeatable",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, offline: bool = True) -> None:
+    """Adds the results folder, title, plots and progress flags.
+
+    Args:
+        parser: The command's parser.
+        offline: Also add ``--jobs`` and ``--save-requests`` (offline commands only).
+    """
+    group = parser.add_argument_group("output")
+    group.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
+    group.add_argument("--title", default="", help="title of the Markdown report")
+    group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+    if offline:
+        group.add_argument(
+            "--jobs",
+            type=int,
+            default=min(2, os.cpu_count() or 1),
+            help="worker processes for the (load, policy) jobs (default: up to 2)",
+        )
+        group.add_argument(
+            "--save-requests",
+            action="store_true",
+            help="also write one JSONL line per request and policy",
+        )
+
+
+def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Adds the live replay's flags: time scale, client, Envoy body mode and peer routers.
+
+    Args:
+        parser: The command's parser.
+        command: ``live`` or ``peers`` (only ``live`` runs Envoy, so only it has
+            ``--body-mode``; only ``peers`` defaults ``--peer``).
+    """
+    group = parser.add_argument_group("live replay")
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.05,
+        help="wall seconds per model second, for the endpoints and the arrival schedule",
+    )
+    group.add_argument(
+        "--timeout", type=float, default=300.0, help="per-request timeout in wall seconds"
+    )
+    group.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="reuse client connections (default: one fresh connection per request)",
+    )
+    if command == "live":
+        group.add_argument(
+            "--body-mode",
+            choices=("FULL_DUPLEX_STREAMED", "BUFFERED"),
+            default="FULL_DUPLEX_STREAMED",
+            help="Envoy's ext_proc request body mode",
+        )
+    group.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="ROUTER:POLICY",
+        help="a peer router run on the same endpoints, e.g. vllm-router:cache_aware, "
+        "sglang-router:round_robin; repeatable"
+        + (f" (default: {' '.join(DEFAULT_PEERS)})" if command == "peers" else ""),
+    )
+    group.add_argument(
+        "--vllm-router-bin",
+        default=None,
+        help="vllm-router executable (default: $VLLM_ROUTER_BIN or PATH)",
+    )
+    group.add_argument(
+        "--sglang-router-bin",
+        default=None,
+        help="sglang-router executable (default: $SGLANG_ROUTER_BIN or PATH)",
+    )
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The argument parser of one harness command.
+
+    Args:
+        command: ``replay``, ``sweep``, ``live`` or ``peers``.
+    """
+    descriptions = {
+        "replay": "Replay a trace offline through the cluster simulator, every policy on the "
+        "same requests, and write a Markdown table, JSON and plots.",
+        "sweep": "Offline replay at several offered loads (arrival rate multipliers) x policies; "
+        "adds a TTFT-vs-load plot.",
+        "live": "Replay a trace slice, time-scaled, through real Envoy + kv-picker + simulated "
+        "vLLM endpoints over HTTP (kv-picker policies only).",
+        "peers": "Replay a trace slice through vllm-router and/or sglang-router in front of the "
+        "same simulated endpoints, for comparison with live mode.",
+    }
+    parser = argparse.ArgumentParser(
+        prog=f"kv-picker bench {command}",
+        description=descriptions[command],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        if command not in ("replay", "sweep")
+        else argparse.HelpFormatter,
+    )
+    offline = command in ("replay", "sweep")
+    add_trace_arguments(parser, with_load=command != "sweep")
+    if command == "sweep":
+        parser.add_argument(
+            "--loads",
+            default="1,2,4,8",
+            help="comma-separated arrival-rate multipliers (default 1,2,4,8)",
+        )
+    add_cluster_arguments(parser)
+    if command != "peers":
+        add_policy_arguments(parser, offline)
+    add_output_arguments(parser, offline)
+    if not offline:
+        add_live_arguments(parser, command)
+    return parser
+
+
+# ------------------------------------------------------------------------------ values
+
+
+def parse_window(text: str | None) -> tuple[float, float] | None:
+    """``--window START:END`` as seconds of trace time; ``None`` when not given.
+
+    Raises:
+        UsageError: If the value is not two numbers.
+    """
+    if not text:
+        return None
+    start, _, end = text.partition(":")
+    try:
+        return float(start), float(end)
+    except ValueError:
+        raise UsageError(f"--window {text!r}: expected START:END in seconds") from None
+
+
+_ENDPOINT_RE = re.compile(r"^(both|prefill|decode)(?::([A-Za-z0-9]+?))?(?::(\d+))?(?:x(\d+))?$")
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The simulated cluster the cluster flags describe.
+
+    ``--endpoint`` items (``ROLE[:HW[:BLOCKS]][xCOUNT]``) take precedence over ``--endpoints``.
+
+    Raises:
+        UsageError: If an endpoint item, a duration or a size is invalid.
+    """
+    endpoints: list[EndpointSetup] = []
+    for item in args.endpoint:
+        match = _ENDPOINT_RE.match(item)
+        if not match:
+            raise UsageError(
+                f"--endpoint {item!r}: expected ROLE[:HW[:BLOCKS]][xCOUNT], e.g. decode:H100x4"
+            )
+        role, hardware, blocks, count = match.groups()
+        hardware = hardware or "H100"
+        if hardware not in HARDWARE_CLASSES:
+            raise UsageError(
+                f"--endpoint {item!r}: unknown hardware {hardware!r}; known: "
+                f"{', '.join(sorted(HARDWARE_CLASSES))}"
+            )
+        setup = EndpointSetup(role, hardware, int(blocks) if blocks else None)
+        endpoints.extend([setup] * int(count or 1))
+    if not endpoints:
+        if args.endpoints < 1:
+            raise UsageError("--endpoints must be >= 1")
+        endpoints = [EndpointSetup()] * args.endpoints
+    try:
+        return ClusterConfig(
+            endpoints=tuple(endpoints),
+            block_size=args.block_size,
+            num_gpu_blocks=args.num_gpu_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            scrape_interval_s=parse_duration_s(args.scrape_interval, "--scrape-interval"),
+            kv_event_delay_s=_duration_or_zero(args.kv_event_delay, "--kv-event-delay"),
+            transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _duration_or_zero(text: str, where: str) -> float:
+    if text.strip() in ("0", "0s", "0ms"):
+        return 0.0
+    return parse_duration_s(text, where)
+
+
+def trace_from_args(args: argparse.Namespace, load: float = 1.0) -> Trace:
+    """The trace ``--trace`` names, sliced by ``--window`` and ``--first``, scaled by ``load``.
+
+    A file trace's ``source`` is recorded as :func:`~.paths.portable_path` writes it.
+
+    Raises:
+        TraceError: If the trace cannot be read or generated, or nothing is left of it.
+        UsageError: If ``--window`` is invalid.
+    """
+    spec: str = args.trace
+    if spec.partition(":")[0] not in GENERATORS and is_trace_name(spec):
+        directory = traces_dir()
+        found = find_trace(spec, directory)
+        if found is None:
+            raise TraceError(
+                f"--trace {spec!r}: not a file, a generator ({', '.join(GENERATORS)}) or a trace "
+                f"in {directory} ({spec}_trace.jsonl or {spec}.jsonl; set {TRACES_ENV} to look "
+                "elsewhere)"
+            )
+        spec = str(found)
+    trace = parse_trace_spec(spec)
+    if Path(spec).is_file():
+        trace.source = portable_path(spec)
+    return slice_trace(trace, first=args.first, window_s=parse_window(args.window), load=load)
+
+
+def policies_from_args(args: argparse.Namespace) -> list[Policy]:
+    """The ``--policy`` items (P/D variants with ``--pd``), each config checked up front.
+
+    Raises:
+        ConfigError: If an item names no baseline and no readable file, a name repeats, or a
+            policy's config is invalid.
+    """
+    policies = resolve_policies(args.policy)
+    if getattr(args, "pd", False):
+        policies = [pd_variant(p, args.pd_threshold_tokens) for p in policies]
+    registry = harness_registry()
+    for policy in policies:
+        policy.config(registry)  # fail before any work on a bad config
+    return policies
+
+
+def results_dir(args: argparse.Namespace, command: str, trace_name: str) -> Path:
+    """Creates and returns the results folder: ``--out``, or ``results/<time>-<command>-<trace>``.
+
+    Args:
+        args: Parsed arguments (``out``).
+        command: The command's name.
+        trace_name: Short name of the trace, for the default folder name.
+    """
+    if args.out is not None:
+        path = Path(args.out)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", trace_name)[:40]
+        path = RESULTS_DIR / f"{stamp}-{command}-{safe}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_command(folder: Path, command: str, argv: Sequence[str]) -> str:
+    """Writes ``command.txt`` into the results folder and returns the command line.
+
+    Paths in the command are relative to the repository root (see :mod:`~.paths`), so the
+    record reads the same on every machine and runs again from the root.
+
+    Args:
+        folder: The results folder.
+        command: The command's name.
+        argv: The command's arguments.
+    """
+    text = "kv-picker bench " + shlex.join([command, *portable_argv(argv)])
+    where = "the repository root" if repository_root() else "the working directory of the run"
+    (folder / "command.txt").write_text(
+        f"{text}\n# paths are relative to {where}\n", encoding="utf-8"
+    )
+    return text
+
+
+def parse_loads(text: str) -> list[float]:
+    """``--loads`` as sorted, distinct positive multipliers.
+
+    Raises:
+        UsageError: If an item is not a positive number.
+    """
+    try:
+        loads = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"--loads {text!r}: expected numbers such as 1,2,4") from None
+    if not loads or any(not (x > 0 and math.isfinite(x)) for x in loads):
+        raise UsageError("--loads: give positive numbers such as 1,2,4")
+    return sorted(set(loads))
+
+
+def parse_peer(item: str) -> tuple[str, str]:
+    """A ``--peer ROUTER:POLICY`` item as ``(router, policy)``.
+
+    Raises:
+        UsageError: If the router is unknown or the policy missing.
+    """
+    router, sep, policy = item.partition(":")
+    if router not in PEER_ROUTERS or not sep or not policy:
+        raise UsageError(
+            f"--peer {item!r}: expected ROUTER:POLICY with ROUTER one of {', '.join(PEER_ROUTERS)}"
+        )
+    return router, policy
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def run_command(command: str, argv: Sequence[str], body: Callable[[], int]) -> int:
+    """Runs a command body, mapping the harness's errors to messages and exit codes.
+
+    Args:
+        command: The command's name, for error messages.
+        argv: The command's arguments.
+        body: The command itself, returning its exit code.
+
+    Returns:
+        The body's exit code; :data:`EXIT_USAGE` after a usage, trace or config error;
+        :data:`EXIT_FAILURE` after Ctrl-C.
+    """
+    try:
+        return body()
+    except (UsageError, TraceError, ConfigError) as exc:
+        print(f"kv-picker bench {command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
