@@ -7,14 +7,25 @@ per test), never as module globals. Label sets are defined here and nowhere else
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kv_picker.scheduling.framework import PluginGauge
 
-PluginGaugeSource = Callable[[], Sequence[tuple[str, PluginGauge]]]
+class GaugeReading(Protocol):
+    """One value a plugin reports (``kv_picker.scheduling.framework.PluginGauge``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def documentation(self) -> str: ...
+    @property
+    def value(self) -> float: ...
+
+
+PluginGaugeSource = Callable[[], Sequence[tuple[str, GaugeReading]]]
 
 # Scheduling is sub-millisecond; request latency is seconds to minutes.
 _SCHEDULING_BUCKETS_S = (

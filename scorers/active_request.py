@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from kv_picker.decode import NonNegative
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
@@ -31,11 +32,7 @@ from kv_picker.scheduling.framework import LLMRequest
 
 @dataclass(frozen=True)
 class ActiveRequestParams:
-    idleThreshold: int = 0
-
-    def validate(self) -> None:
-        if self.idleThreshold < 0:
-            raise ValueError("parameter 'idleThreshold' must be >= 0")
+    idleThreshold: Annotated[int, NonNegative] = 0
 
 
 class ActiveRequestScorer:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from kv_picker.decode import Range
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
@@ -24,11 +25,7 @@ from kv_picker.scheduling.framework import LLMRequest
 
 @dataclass(frozen=True)
 class LoadAwareParams:
-    threshold: int = 128
-
-    def validate(self) -> None:
-        if self.threshold < 1:
-            raise ValueError("parameter 'threshold' must be >= 1")
+    threshold: Annotated[int, Range(ge=1)] = 128
 
 
 class LoadAwareScorer:

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from kv_picker.decode import NonNegative, Positive
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
@@ -47,18 +48,10 @@ _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at a
 
 @dataclass(frozen=True)
 class PredictedLatencyParams:
-    prefillTokensPerSecond: float = 10_000.0
-    queuedRequestSeconds: float = 0.1
-    transferSecondsPerToken: float = 0.0
-    charsPerToken: float = 4.0
-
-    def validate(self) -> None:
-        if not self.prefillTokensPerSecond > 0:
-            raise ValueError("parameter 'prefillTokensPerSecond' must be > 0")
-        if self.queuedRequestSeconds < 0 or self.transferSecondsPerToken < 0:
-            raise ValueError("'queuedRequestSeconds' and 'transferSecondsPerToken' must be >= 0")
-        if not self.charsPerToken > 0:
-            raise ValueError("parameter 'charsPerToken' must be > 0")
+    prefillTokensPerSecond: Annotated[float, Positive] = 10_000.0
+    queuedRequestSeconds: Annotated[float, NonNegative] = 0.1
+    transferSecondsPerToken: Annotated[float, NonNegative] = 0.0
+    charsPerToken: Annotated[float, Positive] = 4.0
 
 
 class PredictedLatencyScorer:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from kv_picker.decode import Range
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
@@ -23,11 +24,7 @@ from kv_picker.scheduling.framework import LLMRequest
 
 @dataclass(frozen=True)
 class PickerParams:
-    maxNumOfEndpoints: int = 1
-
-    def validate(self) -> None:
-        if self.maxNumOfEndpoints < 1:
-            raise ValueError("maxNumOfEndpoints must be >= 1")
+    maxNumOfEndpoints: Annotated[int, Range(ge=1)] = 1
 
 
 class MaxScorePicker:
