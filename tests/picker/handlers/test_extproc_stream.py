@@ -288,3 +288,50 @@ def test_any_message_sequence_answers_without_raising_and_releases(
     stream.close()
     assert sum(director.store.in_flight) == 0
     assert sum(director.store.prefill_requests) == 0
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
+def test_after_the_pick_the_stream_holds_nothing_of_the_body(mode: int) -> None:
+    import gc
+    import tracemalloc
+
+    director = make_director()
+    prompt = "a long shared context, " * 40_000  # about 1 MB
+    big = json.dumps({"model": "m", "prompt": prompt}).encode()
+    streams = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(10):
+            stream = RequestStream(director)
+            run(stream, headers_message(mode=mode), body_message(big))
+            streams.append(stream)  # responses not started: each request is still open
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert all(s.routed is not None and not s.body_chunks for s in streams)
+    assert all(s.routed.request.prompt.text == "" for s in streams)  # type: ignore[union-attr]
+    # Ten open requests of 1 MB each: kept bodies or prompts would be tens of megabytes.
+    assert held < 2 * 1024 * 1024, held
+    for stream in streams:
+        stream.close()
+
+
+def test_an_internal_error_sends_the_request_id_never_the_exception_text() -> None:
+    director = make_director()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("secret internal detail /etc/passwd")
+
+    director.scheduler.schedule = broken  # type: ignore[method-assign]
+    out = run(
+        RequestStream(director),
+        headers_message(extra=[("x-request-id", "req-42")]),
+        body_message(BODY),
+    )
+    (response,) = out
+    body = response.immediate_response.body.decode()
+    assert response.immediate_response.status.code == 500
+    assert "req-42" in body
+    assert "secret" not in body and "RuntimeError" not in body
