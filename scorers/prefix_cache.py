@@ -8,8 +8,8 @@ consecutive blocks, from block 0, recorded for the endpoint, and ``total_blocks`
 request's full blocks. A prompt shorter than one block scores 0 everywhere.
 
 Inputs: the prompt's text (:attr:`kv_picker.request.Prompt.text`) cut into ``blockSizeChars``
-blocks with chained keys seeded by model, LoRA adapter and ``cache_salt``
-(:mod:`kv_picker.state.hashing`). After each pick the destination, and the prefill endpoint
+blocks of its UTF-8 bytes, keyed by the picker's chained block hash rooted in the model (or the
+LoRA adapter) and ``cache_salt`` (:mod:`kv_picker.state.hashing`). After each pick the destination, and the prefill endpoint
 when the profile handler chose one, are recorded as holding those blocks; each endpoint
 remembers its ``lruCapacityPerServer`` most recent keys. The index outlives config reloads
 that keep its shape.
@@ -41,7 +41,7 @@ from kv_picker.scheduling.framework import (
 )
 from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, PREFIX_MATCH, PrefixMatch
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.hashing import chain_keys, chain_root
 
 _KEYS_STATE = "prefix_cache.keys"
 
@@ -89,10 +89,10 @@ class PrefixCacheScorer:
         """The request's block keys, computed once per request."""
         keys: list[int] | None = request.state.get(_KEYS_STATE)
         if keys is None:
-            seed = request_seed(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = char_block_keys(
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(
                 request.prompt.text.encode(),
-                seed,
+                root,
                 self.params.blockSizeChars,
                 self.params.maxPrefixBlocksToMatch,
             )

@@ -68,7 +68,7 @@ from kv_picker.scheduling.framework import LLMRequest, SchedulingResult
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.signals import PROMPT_TOKENS
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.hashing import chain_keys, chain_root
 from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
 
 # ------------------------------------------------------------------------------ plugins
@@ -131,10 +131,8 @@ class SGLangCacheAwarePicker:
     def _keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] | None = request.state.get(_SGLANG_KEYS)
         if keys is None:
-            seed = request_seed(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = char_block_keys(
-                request.prompt.text.encode(), seed, self.params.blockSizeChars, 0
-            )
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(request.prompt.text.encode(), root, self.params.blockSizeChars)
             request.state[_SGLANG_KEYS] = keys
         return keys
 
@@ -271,7 +269,8 @@ class DynamoCostPicker:
     def _keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] | None = request.state.get(BLOCK_KEYS_STATE)
         if keys is None:  # no tokens: stand in 4-character tokens of the prompt text
-            keys = char_block_keys(request.prompt.text.encode(), 0, 4 * self.params.blockSize, 0)
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(request.prompt.text.encode(), root, 4 * self.params.blockSize)
             request.state[BLOCK_KEYS_STATE] = keys
         return keys
 

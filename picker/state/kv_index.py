@@ -37,7 +37,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kv_picker.state.block_keys import VllmBlockHasher, chain_keys, chain_root
+from kv_picker.state.block_keys import VllmBlockHasher
+from kv_picker.state.hashing import chain_root, token_keys
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class EventKeys:
         if self.strict_hasher is not None:
             return self.strict_hasher.block_keys(token_ids, lora_name, cache_salt, max_blocks)
         root = chain_root(model, lora_name, cache_salt)
-        return chain_keys(token_ids, root, self.block_size_tokens, max_blocks)
+        return token_keys(token_ids, root, self.block_size_tokens, max_blocks)
 
     def stored_keys(
         self,
@@ -347,7 +348,7 @@ class EventKeys:
                 return [], DROP_UNKNOWN_PARENT
             parent = resolved
         try:
-            keys = chain_keys(token_ids[: num_blocks * size], parent, size)
+            keys = token_keys(token_ids[: num_blocks * size], parent, size)
         except (OverflowError, TypeError):
             return [], DROP_BAD_TOKENS
         return keys, reason

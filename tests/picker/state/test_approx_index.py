@@ -2,7 +2,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
 
 
 def brute_force_runs(
@@ -61,21 +60,3 @@ def test_remove_endpoint_forgets_it() -> None:
     assert index.match_runs([1, 2, 3], 0b11) == {1: 2}
     index.remove_endpoint(1)
     assert len(index) == 0
-
-
-def test_keys_chain_and_isolate_salts() -> None:
-    seed = request_seed("m", None, None)
-    text = ("The quick brown fox jumps over the lazy dog. " * 10).encode()
-    keys = char_block_keys(text, seed, 64, 0)
-    assert len(keys) == len(text) // 64
-    # A shared prefix gives shared leading keys; a change in block 2 changes every key after it.
-    changed = bytearray(text)
-    changed[64 * 2 + 5] ^= 1
-    other = char_block_keys(bytes(changed), seed, 64, 0)
-    assert other[:2] == keys[:2]
-    assert all(a != b for a, b in zip(other[2:], keys[2:], strict=True))
-    salted = char_block_keys(text, request_seed("m", None, "tenant-a"), 64, 0)
-    assert not set(salted) & set(keys)
-    assert set(char_block_keys(text, request_seed("m2", None, None), 64, 0)).isdisjoint(keys)
-    assert char_block_keys(text, seed, 64, 3) == keys[:3]
-    assert char_block_keys(b"short", seed, 64, 0) == []

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_picker.state.block_keys import chain_keys, chain_root
+from kv_picker.state.hashing import chain_root, token_keys
 from kv_picker.state.kv_index import (
     DROP_BLOCK_SIZE,
     DROP_EXTRA_KEYS,
@@ -238,7 +238,7 @@ def test_restored_block_refreshes_recency_and_capacity_follows_the_scrape() -> N
     index.apply_stored(0, [1], None, [1] * 4, 4, "m")  # 1 is the most recent again
     index.apply_stored(0, [4], None, tokens, 4, "m")
     assert list(index.ledger.keys(0)) == [
-        chain_keys(tokens_of, chain_root("m"), 4)[0] for tokens_of in ([3] * 4, [1] * 4, tokens)
+        token_keys(tokens_of, chain_root("m"), 4)[0] for tokens_of in ([3] * 4, [1] * 4, tokens)
     ]
     assert index.ledger.get(0, 2) is None
     capacities[0] = 1  # the scraper learned the real capacity
