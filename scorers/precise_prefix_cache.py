@@ -53,7 +53,8 @@ from kv_picker.scheduling.framework import (
     SchedulingResult,
 )
 from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch
-from kv_picker.state.kv_index import KVBlockIndex, SpeculativeHolders, longest_runs
+from kv_picker.state.kv_index import KVBlockIndex, SpeculativeHolders
+from kv_picker.state.prefix_runs import leading_runs, mask_of
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
 
@@ -208,15 +209,13 @@ class PrecisePrefixCacheScorer:
         if len(runs) < size:
             runs.extend([0] * (size - len(runs)))
             self._speculative_runs.extend([0] * (size - len(self._speculative_runs)))
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
+        mask = mask_of(candidates)
         if isinstance(index, RedisKVIndex):
             by_address: dict[str, int] | None = request.state.get(_RUNS_STATE)
             speculative = self._speculative_runs
             guessed = 0
             if self.speculative is not None:
-                guessed = longest_runs(keys, mask, speculative, {}, self.speculative.maps())
+                guessed = leading_runs(keys, mask, speculative, {}, self.speculative.maps())
             if by_address or guessed:
                 for i, endpoint in enumerate(candidates):
                     run = by_address.get(endpoint.address, 0) if by_address else 0
@@ -227,7 +226,7 @@ class PrecisePrefixCacheScorer:
                         out[i] = run / total
                         best = max(best, run)
         else:
-            best = index.match_runs(keys, mask, runs, self.speculative)
+            best = index.runs(keys, mask, runs, self.speculative)
             if best:
                 for i, endpoint in enumerate(candidates):
                     run = runs[endpoint.id]

@@ -42,6 +42,7 @@ from kv_picker.scheduling.framework import (
 from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, PREFIX_MATCH, PrefixMatch
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.hashing import chain_keys, chain_root
+from kv_picker.state.prefix_runs import mask_of
 
 _KEYS_STATE = "prefix_cache.keys"
 
@@ -84,6 +85,7 @@ class PrefixCacheScorer:
         # The index outlives a config reload that keeps its shape.
         key = ("prefix-index", name, params.blockSizeChars, params.lruCapacityPerServer)
         self.index = ctx.shared_resource(key, ApproximatePrefixIndex, create)
+        self._runs: list[int] = []  # by endpoint id, reused by every request
 
     def keys(self, request: LLMRequest) -> list[int]:
         """The request's block keys, computed once per request."""
@@ -103,20 +105,19 @@ class PrefixCacheScorer:
         keys = self.keys(request)
         if not keys:
             return
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
-        runs = self.index.match_runs(keys, mask)
+        total = len(keys)
+        matched: dict[int, int] = {}
         # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
         request.state[PREFIX_MATCH] = PrefixMatch(
-            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, len(keys), runs
+            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, total, matched
         )
-        if not runs:
+        runs = self._runs
+        if not self.index.runs(keys, mask_of(candidates), runs):
             return
-        total = len(keys)
         for i, endpoint in enumerate(candidates):
-            run = runs.get(endpoint.id)
+            run = runs[endpoint.id]
             if run:
+                matched[endpoint.id] = run
                 out[i] = run / total
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:

@@ -19,10 +19,10 @@ The in-process :class:`KVBlockIndex` adds the lookup side::
     ledger:   [endpoint id] OrderedDict engine_hash -> key | stamp << 64   (oldest first)
     heap:     (stamp of an endpoint's oldest entry, endpoint id)   for the total bound
 
-A lookup walks the request's keys once, intersecting a candidate bitset with each key's
-holders; when an endpoint's bit drops out at block i its run is i. That is O(blocks + endpoints)
-with no allocation beyond int operations. Updates happen in place on the event loop thread, so
-the synchronous scoring path never sees a half-applied event.
+A lookup is the picker's one leading-run walk over ``holders``
+(:func:`kv_picker.state.prefix_runs.leading_runs`): O(blocks + endpoints) with no allocation
+beyond int operations. Updates happen in place on the event loop thread, so the synchronous
+scoring path never sees a half-applied event.
 
 Packing the stamp into the ledger value keeps one int object per entry; the total bound uses a
 lazy heap of each endpoint's oldest stamp (heads only get newer, so a stale entry is corrected
@@ -34,11 +34,12 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kv_picker.state.block_keys import VllmBlockHasher
 from kv_picker.state.hashing import chain_root, token_keys
+from kv_picker.state.prefix_runs import leading_runs
 
 log = logging.getLogger(__name__)
 
@@ -482,7 +483,7 @@ class KVBlockIndex:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def match_runs(
+    def runs(
         self,
         keys: Sequence[int],
         candidate_mask: int,
@@ -494,49 +495,15 @@ class KVBlockIndex:
         Args:
             keys: the request's block keys, in order.
             candidate_mask: bitset of candidate endpoint ids.
-            runs_out: indexed by endpoint id (long enough for every candidate): receives each
-                candidate's run (0 when it lacks block 0); other entries are left alone.
+            runs_out: indexed by endpoint id: receives each candidate's run (0 when it lacks
+                block 0); other entries are left alone.
             speculative: blocks endpoints were just sent, counted as held.
 
         Returns:
             The longest run of any candidate.
         """
-        extra = speculative.maps() if speculative is not None else None
-        return longest_runs(keys, candidate_mask, runs_out, self._holders, extra)
-
-
-def longest_runs(
-    keys: Sequence[int],
-    candidate_mask: int,
-    runs_out: list[int],
-    holders: Mapping[int, int],
-    extra: tuple[Mapping[int, int], Mapping[int, int]] | None = None,
-) -> int:
-    """The walk behind :meth:`KVBlockIndex.match_runs` (``holders``: key -> endpoint bitset)."""
-    if not candidate_mask:
-        return 0
-    mask = candidate_mask
-    position = 0
-    newer, older = extra if extra is not None and (extra[0] or extra[1]) else (None, None)
-    for key in keys:
-        held = mask & holders.get(key, 0)
-        if newer is not None and older is not None and held != mask:
-            held |= mask & (newer.get(key, 0) | older.get(key, 0))
-        if held != mask:
-            dropped = mask ^ held
-            while dropped:
-                low = dropped & -dropped
-                runs_out[low.bit_length() - 1] = position
-                dropped ^= low
-            mask = held
-            if not mask:
-                return position
-        position += 1
-    while mask:
-        low = mask & -mask
-        runs_out[low.bit_length() - 1] = position
-        mask ^= low
-    return position
+        overlay = speculative.maps() if speculative is not None else None
+        return leading_runs(keys, candidate_mask, runs_out, self._holders, overlay)
 
 
 class SpeculativeHolders:

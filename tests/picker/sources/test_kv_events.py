@@ -357,7 +357,7 @@ async def test_connect_mode_applies_live_events_and_replays_gaps(encoding: str) 
         runs = [0]
 
         def run_length() -> int:
-            index.match_runs(keys, 1, runs)
+            index.runs(keys, 1, runs)
             return runs[0]
 
         # Keep publishing until the subscription is live (ZMQ's slow joiner).
@@ -459,7 +459,7 @@ async def test_a_publisher_that_goes_away_loses_its_blocks_and_a_new_one_is_caug
         await wait_for(lambda: index.num_blocks() == 3)
         keys = index.event_keys.request_keys(list(range(100, 112)), "m", None, None)
         runs = [0]
-        assert index.match_runs(keys, 1, runs) == 3
+        assert index.runs(keys, 1, runs) == 3
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -123,7 +123,7 @@ def test_matches_brute_force_model(
         assert sorted(index.ledger.keys(endpoint)) == sorted(model.entries.get(endpoint, {}))
     runs_out = [-1] * NUM_ENDPOINTS
     mask = sum(1 << e for e in candidates)
-    best = index.match_runs(query, mask, runs_out)
+    best = index.runs(query, mask, runs_out)
     expected = model.runs(query, candidates)
     assert {e: runs_out[e] for e in candidates} == expected
     assert all(runs_out[e] == -1 for e in range(NUM_ENDPOINTS) if e not in candidates)
@@ -151,18 +151,18 @@ def test_dual_keys_from_events_match_request_keys() -> None:
     keys = request_keys(index, [*tokens, 1, 2])
     assert len(keys) == 6
     runs = [0, 0]
-    assert index.match_runs(keys, 0b11, runs) == 6
+    assert index.runs(keys, 0b11, runs) == 6
     assert runs == [6, 0]
     # Removal by engine hash cuts the run at that block.
     assert index.apply_removed(0, [14, 99]) == 1
-    index.match_runs(keys, 0b11, runs)
+    index.runs(keys, 0b11, runs)
     assert runs == [3, 0]
     # Another endpoint holding the first two blocks.
     index.apply_stored(1, [21, 22], None, tokens[:8], 4, "m")
-    index.match_runs(keys, 0b11, runs)
+    index.runs(keys, 0b11, runs)
     assert runs == [3, 2]
     assert index.clear_endpoint(0) == 5
-    index.match_runs(keys, 0b11, runs)
+    index.runs(keys, 0b11, runs)
     assert runs == [0, 2]
 
 
@@ -175,21 +175,21 @@ def test_model_salt_and_adapter_separate_chains() -> None:
         2, [9, 10, 11, 12], None, tokens, 4, "m", lora_name="ad", extra_keys=[("ad",)] * 4
     )
     runs = [0, 0, 0]
-    index.match_runs(request_keys(index, tokens, salt="s1"), 0b111, runs)
+    index.runs(request_keys(index, tokens, salt="s1"), 0b111, runs)
     assert runs == [4, 0, 0]
-    index.match_runs(request_keys(index, tokens), 0b111, runs)
+    index.runs(request_keys(index, tokens), 0b111, runs)
     assert runs == [0, 4, 0]
-    index.match_runs(request_keys(index, tokens, salt="s2"), 0b111, runs)
+    index.runs(request_keys(index, tokens, salt="s2"), 0b111, runs)
     assert runs == [0, 0, 0]
-    index.match_runs(request_keys(index, tokens, lora="ad"), 0b111, runs)
+    index.runs(request_keys(index, tokens, lora="ad"), 0b111, runs)
     assert runs == [0, 0, 4]
-    index.match_runs(request_keys(index, tokens, model="other"), 0b111, runs)
+    index.runs(request_keys(index, tokens, model="other"), 0b111, runs)
     assert runs == [0, 0, 0]
     # Salt and adapter together: vLLM's block 0 extra keys are (lora, salt).
     index.apply_stored(
         0, [13, 14], None, tokens[:8], 4, "m", lora_name="ad", extra_keys=[("ad", "s1"), ("ad",)]
     )
-    index.match_runs(request_keys(index, tokens, lora="ad", salt="s1"), 0b111, runs)
+    index.runs(request_keys(index, tokens, lora="ad", salt="s1"), 0b111, runs)
     assert runs == [2, 0, 0]
 
 
@@ -225,7 +225,7 @@ def test_strict_mode_needs_no_tokens() -> None:
     wire = index.event_keys.request_keys(tokens, "m", None, None)
     assert index.apply_stored(3, wire, None, [], 16, "m") == 2
     runs = [0] * 4
-    assert index.match_runs(wire, 0b1000, runs) == 2
+    assert index.runs(wire, 0b1000, runs) == 2
     assert runs[3] == 2
 
 

@@ -107,7 +107,7 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
     runs = [0] * 4
     for doc in documents:
         keys = local.event_keys.request_keys(doc, "m", None, None)
-        local.match_runs(keys, 0b1111, runs)
+        local.runs(keys, 0b1111, runs)
         expected = {store.all()[e].address: runs[e] for e in range(4) if runs[e]}
         assert await index.lookup(keys) == expected
     assert index.num_blocks() == local.num_blocks()
