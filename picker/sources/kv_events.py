@@ -52,8 +52,15 @@ import zmq.utils.monitor
 from kv_picker.config import PickerConfig
 from kv_picker.endpoint import EndpointId, split_address
 from kv_picker.metrics import PickerMetrics
+from kv_picker.state.block_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventKeys,
+    KVEvent,
+)
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 
 log = logging.getLogger(__name__)
@@ -81,39 +88,6 @@ _MAX_PENDING_MESSAGES = 10_000
 
 class MalformedMessage(ValueError):
     """A KV-event message that does not follow the wire format."""
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """Blocks that became cached. ``block_hashes`` are normalised to 64-bit ints."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """Cached blocks that were evicted."""
-
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    """The endpoint's prefix cache was reset."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(slots=True)
@@ -259,22 +233,9 @@ def parse_topic(topic: bytes) -> tuple[str | None, str | None]:
 class IndexSink(Protocol):
     """What the subscriber writes to (the in-process or the Redis-backed index)."""
 
-    def apply_stored(
-        self,
-        endpoint_id: int,
-        engine_hashes: Sequence[int],
-        parent_hash: int | None,
-        token_ids: Sequence[int],
-        block_size: int,
-        model: str,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Any] | None = None,
-        medium: str | None = None,
-        kind: str | None = None,
-        lora_id: int | None = None,
-    ) -> int: ...
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int: ...
 
-    def apply_removed(self, endpoint_id: int, engine_hashes: Sequence[int]) -> int: ...
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int: ...
 
     def clear_endpoint(self, endpoint_id: int) -> int: ...
 
@@ -618,22 +579,10 @@ class KVEventSubscriber:
         try:
             for event in batch.events:
                 if type(event) is BlockStored:
-                    index.apply_stored(
-                        endpoint_id,
-                        event.block_hashes,
-                        event.parent_block_hash,
-                        event.token_ids,
-                        event.block_size,
-                        model,
-                        event.lora_name,
-                        event.extra_keys,
-                        event.medium,
-                        event.kv_cache_spec_kind,
-                        event.lora_id,
-                    )
+                    index.apply_stored(endpoint_id, event, model)
                     self._applied["stored"].inc(len(event.block_hashes))
                 elif type(event) is BlockRemoved:
-                    index.apply_removed(endpoint_id, event.block_hashes)
+                    index.apply_removed(endpoint_id, event)
                     self._applied["removed"].inc(len(event.block_hashes))
                 else:
                     index.clear_endpoint(endpoint_id)
@@ -732,13 +681,14 @@ def build_kv_index(
     settings = config.index
     if config.kv_events is None and settings.backend != "redis":
         return None
-    event_keys = EventKeys(
-        settings.block_size_tokens, settings.keys, settings.hash_algo, settings.hash_seed
-    )
     dropped = metrics.kv_events_dropped
 
     def on_drop(reason: str, blocks: int) -> None:
         dropped.labels(reason).inc(blocks)
+
+    event_keys = EventKeys(
+        settings.block_size_tokens, settings.keys, settings.hash_algo, settings.hash_seed, on_drop
+    )
 
     index: KVBlockIndex | RedisKVIndex
     if settings.backend == "redis":
@@ -760,7 +710,6 @@ def build_kv_index(
             timeout_s=settings.timeout_s,
             retry_s=settings.retry_interval_s,
             metrics=metrics,
-            on_drop=on_drop,
         )
     else:
         index = KVBlockIndex(
@@ -768,7 +717,6 @@ def build_kv_index(
             default_capacity_blocks=settings.capacity_blocks_per_endpoint,
             max_blocks=settings.max_blocks,
             capacity_source=store.num_gpu_blocks,
-            on_drop=on_drop,
         )
     store.on_removed(index.remove_endpoint)
     return index

@@ -54,7 +54,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kv_picker.metrics import PickerMetrics
-from kv_picker.state.kv_index import BlockLedger, EventKeys
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.block_ledger import BlockLedger
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class RedisKVIndex:
     """Precise index kept in Redis (see the module docstring).
 
     Args:
-        event_keys: key computation shared with the scorer.
+        event_keys: key computation shared with the scorer (and where drops are reported).
         url: ``redis://`` (or ``valkey://``) URL.
         key_prefix: namespace of every key this index writes.
         address_of: endpoint id → address (the store's), None for unknown ids.
@@ -164,7 +165,6 @@ class RedisKVIndex:
         timeout_s: budget of one lookup (and socket timeout).
         retry_s: how long to skip Redis after a failure before trying again.
         metrics: backend errors are counted here.
-        on_drop: called with (reason, blocks) when a stored event is not (fully) indexed.
     """
 
     backend = "redis"
@@ -181,10 +181,8 @@ class RedisKVIndex:
         timeout_s: float = 0.05,
         retry_s: float = 1.0,
         metrics: PickerMetrics | None = None,
-        on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self.event_keys = event_keys
-        self.block_size_tokens = event_keys.block_size_tokens
         self.url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
         self.prefix = key_prefix
         self._address_of = address_of
@@ -193,7 +191,6 @@ class RedisKVIndex:
         self.ledger = BlockLedger(
             default_capacity_blocks, max_blocks, capacity_source, self._evicted
         )
-        self._on_drop = on_drop
         self._errors = (
             {op: metrics.kv_index_backend_errors.labels(op) for op in ("lookup", "write")}
             if metrics is not None
@@ -421,37 +418,10 @@ class RedisKVIndex:
 
     # -- events (the same contract as the in-process index) ----------------------------------
 
-    def apply_stored(
-        self,
-        endpoint_id: int,
-        engine_hashes: Sequence[int],
-        parent_hash: int | None,
-        token_ids: Sequence[int],
-        block_size: int,
-        model: str,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Any] | None = None,
-        medium: str | None = None,
-        kind: str | None = None,
-        lora_id: int | None = None,
-    ) -> int:
-        """Apply a ``BlockStored``; returns the number of blocks indexed."""
-        keys, reason = self.event_keys.stored_keys(
-            self.ledger,
-            endpoint_id,
-            engine_hashes,
-            parent_hash,
-            token_ids,
-            block_size,
-            model,
-            lora_name,
-            extra_keys,
-            medium,
-            kind,
-            lora_id,
-        )
-        if reason and self._on_drop is not None:
-            self._on_drop(reason, len(engine_hashes) - len(keys))
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
+        """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
+        engine_hashes = event.block_hashes
+        keys = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
         if not keys:
             return 0
         ledger = self.ledger
@@ -463,9 +433,10 @@ class RedisKVIndex:
         ledger.trim(endpoint_id)
         return len(keys)
 
-    def apply_removed(self, endpoint_id: int, engine_hashes: Sequence[int]) -> int:
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
+        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
         keys = []
-        for engine_hash in engine_hashes:
+        for engine_hash in event.block_hashes:
             key = self.ledger.pop(endpoint_id, engine_hash)
             if key is not None:
                 keys.append(key)
@@ -474,6 +445,7 @@ class RedisKVIndex:
         return len(keys)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
+        """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
         dropped = len(self.ledger.clear(endpoint_id))
         self._queue(_CLEAR_ALL, endpoint_id, [])
         return dropped

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -17,9 +16,6 @@ from hypothesis import strategies as st
 
 from kv_picker.metrics import PickerMetrics
 from kv_picker.sources.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KVEventSubscriber,
     MalformedMessage,
     PublisherAddress,
@@ -28,7 +24,8 @@ from kv_picker.sources.kv_events import (
     decode_seq,
     parse_topic,
 )
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.block_events import AllBlocksCleared, BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker_bench.sim.cache import StoredBlock
 from kv_picker_bench.sim.events import KVEventPublisher, encode_batch, encode_removed, encode_stored
 from tests.fakes import make_store
@@ -214,13 +211,13 @@ class RecordingIndex:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def apply_stored(self, endpoint_id: int, engine_hashes: Sequence[int], *args: Any) -> int:
-        self.calls.append(("stored", endpoint_id, list(engine_hashes), args[3]))
-        return len(engine_hashes)
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
+        self.calls.append(("stored", endpoint_id, event.block_hashes, model))
+        return len(event.block_hashes)
 
-    def apply_removed(self, endpoint_id: int, engine_hashes: Sequence[int]) -> int:
-        self.calls.append(("removed", endpoint_id, list(engine_hashes)))
-        return len(engine_hashes)
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
+        self.calls.append(("removed", endpoint_id, event.block_hashes))
+        return len(event.block_hashes)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
         self.calls.append(("cleared", endpoint_id))
