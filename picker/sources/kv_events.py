@@ -42,7 +42,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import zmq
@@ -60,7 +60,7 @@ from kv_picker.state.block_events import (
     KVEvent,
 )
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex, KVIndex
 from kv_picker.state.redis_index import RedisKVIndex
 
 log = logging.getLogger(__name__)
@@ -230,16 +230,6 @@ def parse_topic(topic: bytes) -> tuple[str | None, str | None]:
 # -- subscriber -------------------------------------------------------------------------------
 
 
-class IndexSink(Protocol):
-    """What the subscriber writes to (the in-process or the Redis-backed index)."""
-
-    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int: ...
-
-    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int: ...
-
-    def clear_endpoint(self, endpoint_id: int) -> int: ...
-
-
 @dataclass(frozen=True, slots=True)
 class PublisherAddress:
     """Where one endpoint's events come from (connect mode) and where to ask for replays."""
@@ -305,7 +295,7 @@ class KVEventSubscriber:
         self,
         settings: SubscriberSettings,
         store: EndpointStore,
-        index: IndexSink,
+        index: KVIndex,
         metrics: PickerMetrics,
     ) -> None:
         if settings.mode not in ("connect", "bind"):
@@ -676,7 +666,7 @@ class KVEventSubscriber:
 
 def build_kv_index(
     config: PickerConfig, store: EndpointStore, metrics: PickerMetrics
-) -> KVBlockIndex | RedisKVIndex | None:
+) -> KVIndex | None:
     """The precise index a config asks for (None when nothing would feed or read it)."""
     settings = config.index
     if config.kv_events is None and settings.backend != "redis":
@@ -690,7 +680,7 @@ def build_kv_index(
         settings.block_size_tokens, settings.keys, settings.hash_algo, settings.hash_seed, on_drop
     )
 
-    index: KVBlockIndex | RedisKVIndex
+    index: KVIndex
     if settings.backend == "redis":
 
         def address_of(endpoint_id: int) -> str | None:
@@ -725,7 +715,7 @@ def build_kv_index(
 def build_subscriber(
     config: PickerConfig,
     store: EndpointStore,
-    index: KVBlockIndex | RedisKVIndex | None,
+    index: KVIndex | None,
     metrics: PickerMetrics,
 ) -> KVEventSubscriber | None:
     """The subscriber of the config's ``kvEvents`` section (None without one)."""

@@ -1,10 +1,24 @@
-"""Precise KV block index: which endpoint really holds which block, from its own KV events.
+"""The precise KV index: its contract, the in-process backend, and the speculative holders.
 
-Events arrive as records (:mod:`kv_picker.state.block_events`); their keys come from the shared
-front half (:class:`~kv_picker.state.block_events.EventKeys`), and the engine hash → key map
-with its bounds from :class:`~kv_picker.state.block_ledger.BlockLedger`, exactly as in the
-Redis-backed index (:mod:`kv_picker.state.redis_index`). The in-process :class:`KVBlockIndex`
-adds the lookup side::
+Which endpoint really holds which block, from the endpoints' own KV events. Two backends keep
+it: :class:`KVBlockIndex` here, in the picker's memory (the default), and
+:class:`~kv_picker.state.redis_index.RedisKVIndex`, in Redis or Valkey, shared by several
+picker replicas. Everything else (the event subscriber, the precise scorer, the app's
+lifecycle and /metrics) goes through :class:`KVIndex`, so it never asks which one it has.
+
+The contract has to fit both a dict in memory and a network round trip while the scheduling
+path stays synchronous, so a lookup is two steps::
+
+    prepare (async, before the schedule)    prefetch(keys) -> awaitable | None
+                                              in process: None (nothing to fetch)
+                                              Redis: one EVALSHA, each endpoint's run by address
+    score (sync)                            runs(keys, candidates, runs_out, prefetched,
+                                                 speculative) -> best run
+                                              writes each candidate's run by endpoint id
+
+Both backends share the front half of applying events (records and keys:
+:mod:`kv_picker.state.block_events`; engine hash -> key and the bounds:
+:mod:`kv_picker.state.block_ledger`). The in-process index adds the lookup side::
 
     holders:  key -> int bitset of endpoint ids           (bit e set: endpoint e holds the block)
     ledger:   [endpoint id] engine hash -> key, LRU-bounded per endpoint and in total
@@ -17,11 +31,104 @@ scoring path never sees a half-applied event.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
 
 from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
 from kv_picker.state.block_ledger import BlockLedger
 from kv_picker.state.prefix_runs import leading_runs
+
+Prefetched = Mapping[str, int]
+"""What :meth:`KVIndex.prefetch` fetched for one request, handed back to :meth:`KVIndex.runs`
+as is (the Redis backend's: each endpoint's run, by address)."""
+
+
+class KVIndex(Protocol):
+    """The precise KV index, whichever backend keeps it (see the module docstring).
+
+    Attributes:
+        event_keys: how events and requests become keys; the scorer computes a request's keys
+            with it so both sides share one key space.
+    """
+
+    event_keys: EventKeys
+
+    # -- events (the subscriber's side)
+
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
+        """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
+        ...
+
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
+        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
+        ...
+
+    def clear_endpoint(self, endpoint_id: int) -> int:
+        """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
+        ...
+
+    def remove_endpoint(self, endpoint_id: int) -> None:
+        """The endpoint left the pool: forget it (its id may be reused)."""
+        ...
+
+    # -- lookup (the scorer's side)
+
+    def prefetch(self, keys: Sequence[int]) -> Awaitable[Prefetched | None] | None:
+        """Start fetching what :meth:`runs` will need for ``keys``, before the schedule.
+
+        Returns:
+            An awaitable giving the fetched data (None: the backend is unavailable, no cache
+            signal), or None when there is nothing to fetch (no coroutine is created). Never
+            raises, and the awaitable never raises either.
+        """
+        ...
+
+    def runs(
+        self,
+        keys: Sequence[int],
+        candidate_mask: int,
+        runs_out: list[int],
+        prefetched: Prefetched | None = None,
+        speculative: SpeculativeHolders | None = None,
+    ) -> int:
+        """Each candidate's leading run, synchronously.
+
+        Args:
+            keys: the request's block keys, in order.
+            candidate_mask: bitset of candidate endpoint ids.
+            runs_out: indexed by endpoint id: receives each candidate's run (0 when it lacks
+                block 0); other entries are left alone; grown to cover every candidate.
+            prefetched: what the awaitable of :meth:`prefetch` gave for these keys, if any.
+            speculative: blocks endpoints were just sent, counted as held.
+
+        Returns:
+            The longest run of any candidate.
+        """
+        ...
+
+    # -- sizes (for /metrics)
+
+    def num_blocks(self) -> int:
+        """(endpoint, block) entries this picker tracks, the figure the bounds apply to."""
+        ...
+
+    def num_keys(self) -> int | None:
+        """Distinct keys held by at least one endpoint, or None where that is not known."""
+        ...
+
+    def num_evicted_blocks(self) -> int:
+        """Entries evicted to respect the bounds since start (a counter)."""
+        ...
+
+    # -- lifecycle
+
+    async def run(self) -> None:
+        """The backend's background work, until cancelled (returns at once when it has none)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections (after :meth:`run` was cancelled)."""
+        ...
 
 
 class KVBlockIndex:
@@ -46,16 +153,6 @@ class KVBlockIndex:
         self.ledger = BlockLedger(
             default_capacity_blocks, max_blocks, capacity_source, self._drop_holder
         )
-
-    # -- sizes ------------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        """Distinct keys held by at least one endpoint."""
-        return len(self._holders)
-
-    def num_blocks(self) -> int:
-        """(endpoint, block) entries, the figure the bounds apply to."""
-        return self.ledger.size
 
     # -- events -----------------------------------------------------------------------------
 
@@ -109,27 +206,43 @@ class KVBlockIndex:
 
     # -- lookup -----------------------------------------------------------------------------
 
+    def prefetch(self, keys: Sequence[int]) -> None:
+        """Nothing to fetch: the holders are in memory."""
+        return None
+
     def runs(
         self,
         keys: Sequence[int],
         candidate_mask: int,
         runs_out: list[int],
+        prefetched: Prefetched | None = None,
         speculative: SpeculativeHolders | None = None,
     ) -> int:
-        """Leading-run length of every candidate.
-
-        Args:
-            keys: the request's block keys, in order.
-            candidate_mask: bitset of candidate endpoint ids.
-            runs_out: indexed by endpoint id: receives each candidate's run (0 when it lacks
-                block 0); other entries are left alone.
-            speculative: blocks endpoints were just sent, counted as held.
-
-        Returns:
-            The longest run of any candidate.
-        """
+        """Each candidate's leading run (see :meth:`KVIndex.runs`)."""
         overlay = speculative.maps() if speculative is not None else None
         return leading_runs(keys, candidate_mask, runs_out, self._holders, overlay)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def num_blocks(self) -> int:
+        """(endpoint, block) entries, the figure the bounds apply to."""
+        return self.ledger.size
+
+    def num_keys(self) -> int:
+        """Distinct keys held by at least one endpoint."""
+        return len(self._holders)
+
+    def num_evicted_blocks(self) -> int:
+        """Entries evicted to respect the bounds since start."""
+        return self.ledger.evicted_blocks
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """No background work: events apply in place as they arrive."""
+
+    async def close(self) -> None:
+        """Nothing to release."""
 
 
 class SpeculativeHolders:

@@ -184,7 +184,7 @@ async def test_long_prompts_are_tokenized_on_a_thread_pool() -> None:
     tokens = TOKENIZED.encode(long_prompt)
     store_blocks(index, 0, tokens[: 16 * 300])
     short = request_for({"model": "m", "prompt": PROMPT})
-    assert scorer.prepare(short) is None  # inline in score(): no coroutine
+    assert scorer.prepare(short) is None  # tokenized inline, nothing to fetch: no coroutine
     request = request_for({"model": "m", "prompt": long_prompt})
     pending = scorer.prepare(request)
     assert pending is not None

@@ -206,7 +206,7 @@ def test_simulated_publisher_encodings_decode_identically() -> None:
 
 
 class RecordingIndex:
-    """An IndexSink that records calls."""
+    """Stands in for a KVIndex: records the event calls the subscriber makes."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,7 @@ def test_matches_brute_force_model(
     assert all(runs_out[e] == -1 for e in range(NUM_ENDPOINTS) if e not in candidates)
     assert best == max(expected.values(), default=0)
     distinct = {key for held in model.entries.values() for key, _ in held.values()}
-    assert len(index) == len(distinct)
+    assert index.num_keys() == len(distinct)
 
 
 def dual_index(on_drop: Callable[[str, int], None] | None = None, **kwargs: Any) -> KVBlockIndex:
@@ -266,14 +267,14 @@ def test_restored_block_refreshes_recency_and_capacity_follows_the_scrape() -> N
     capacities[0] = 1  # the scraper learned the real capacity
     index.apply_stored(0, BlockStored([5], None, [5] * 4, 4), "m")
     assert index.num_blocks() == 1 and index.ledger.get(0, 5) is not None
-    assert index.ledger.evicted_blocks == 4
+    assert index.num_evicted_blocks() == 4
 
 
 def test_remove_endpoint_forgets_it() -> None:
     index = dual_index()
     index.apply_stored(2, BlockStored([1, 2], None, list(range(8)), 4), "m")
     index.remove_endpoint(2)
-    assert index.num_blocks() == 0 and len(index) == 0
+    assert index.num_blocks() == 0 and index.num_keys() == 0
     index.apply_stored(2, BlockStored([1], None, list(range(4)), 4), "m")
     assert index.num_blocks() == 1
 
@@ -283,3 +284,15 @@ def test_ledger_rejects_bad_bounds() -> None:
         BlockLedger(0, 10, None, lambda e, k: None)
     with pytest.raises(ValueError):
         EventKeys(key_mode="fuzzy")
+
+
+async def test_in_process_there_is_nothing_to_fetch_run_or_close() -> None:
+    index = dual_index()
+    tokens = list(range(8))
+    index.apply_stored(0, BlockStored([1, 2], None, tokens, 4), "m")
+    keys = request_keys(index, tokens)
+    assert index.prefetch(keys) is None  # no coroutine: runs() reads memory
+    runs = [0]
+    assert index.runs(keys, 0b1, runs, None) == 2
+    await asyncio.wait_for(index.run(), 1.0)  # returns at once
+    await index.close()
