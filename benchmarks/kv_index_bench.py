@@ -38,7 +38,11 @@ import zmq.asyncio
 
 from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
-from kv_picker.sources.kv_events import KVEventSubscriber, PublisherAddress, SubscriberSettings
+from kv_picker.sources.kv_event_subscriber import (
+    KVEventSubscriber,
+    PublisherAddress,
+    SubscriberSettings,
+)
 from kv_picker.state.block_events import BlockStored, EventKeys
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVBlockIndex

@@ -38,7 +38,7 @@ from kv_picker.plugins import builtin_registry
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.sources.kv_events import build_kv_index, build_subscriber
+from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.wire import HEALTH_SERVICES
