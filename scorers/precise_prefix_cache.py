@@ -22,9 +22,9 @@ Async work happens in ``prepare``, before the synchronous schedule: a prompt lon
 ``tokenizeInlineMaxChars`` is tokenized on a thread pool, and the index's prefetch runs there
 (one round trip with the Redis backend; nothing in process). Without that hook
 (``kv-picker explain``) the prompt is tokenized inline and a Redis-backed index gives no signal
-beyond the speculative holders. A tokenizer error, or an
-unavailable backend, means no cache signal (all scores 0), never a failed request. Building
-the scorer fails when nothing feeds or shares an index (no ``kvEvents`` and a memory backend).
+beyond the speculative holders. A tokenizer error, or an unavailable backend, means no cache
+signal (all scores 0), never a failed request. Building the scorer fails when nothing feeds or
+shares an index (no ``kvEvents`` and a memory backend).
 
 Publishes, for other plugins, each endpoint's matched blocks
 (:data:`kv_picker.scheduling.signals.PREFIX_MATCH`) and the exact prompt length

@@ -9,10 +9,10 @@ request's full blocks. A prompt shorter than one block scores 0 everywhere.
 
 Inputs: the prompt's text (:attr:`kv_picker.request.Prompt.text`) cut into ``blockSizeChars``
 blocks of its UTF-8 bytes, keyed by the picker's chained block hash rooted in the model (or the
-LoRA adapter) and ``cache_salt`` (:mod:`kv_picker.state.hashing`). After each pick the destination, and the prefill endpoint
-when the profile handler chose one, are recorded as holding those blocks; each endpoint
-remembers its ``lruCapacityPerServer`` most recent keys. The index outlives config reloads
-that keep its shape.
+LoRA adapter) and ``cache_salt`` (:mod:`kv_picker.state.hashing`). After each pick the
+destination, and the prefill endpoint when the profile handler chose one, are recorded as
+holding those blocks; each endpoint remembers its ``lruCapacityPerServer`` most recent keys.
+The index outlives config reloads that keep its shape.
 
 Publishes, for other plugins, each endpoint's matched blocks
 (:data:`kv_picker.scheduling.signals.PREFIX_MATCH`), with about 4 characters per token.

@@ -25,7 +25,19 @@ from kv_picker.state.redis_index import RedisKVIndex
 def build_kv_index(
     config: PickerConfig, store: EndpointStore, metrics: PickerMetrics
 ) -> KVIndex | None:
-    """The precise index a config asks for (None when nothing would feed or read it)."""
+    """The precise index a config asks for.
+
+    Args:
+        config: the ``index`` and ``kvEvents`` sections decide.
+        store: the endpoints; their scraped KV capacities bound the index, and an endpoint
+            leaving the store leaves the index.
+        metrics: where dropped events and backend errors are counted.
+
+    Returns:
+        The in-process index when events feed it, the Redis index whenever ``index.backend``
+        is ``redis`` (a replica may only read what others write), else None: nothing would
+        feed or read it.
+    """
     settings = config.index
     if config.kv_events is None and settings.backend != "redis":
         return None
@@ -76,7 +88,17 @@ def build_subscriber(
     index: KVIndex | None,
     metrics: PickerMetrics,
 ) -> KVEventSubscriber | None:
-    """The subscriber of the config's ``kvEvents`` section (None without one)."""
+    """The subscriber of the config's ``kvEvents`` section.
+
+    Args:
+        config: its ``kvEvents`` section.
+        store: the endpoints whose events are accepted.
+        index: what the events are applied to (from :func:`build_kv_index`).
+        metrics: counters for applied, dropped and malformed events, gaps and replays.
+
+    Returns:
+        The subscriber, or None without a ``kvEvents`` section or an index.
+    """
     events = config.kv_events
     if events is None or index is None:
         return None

@@ -175,8 +175,6 @@ class RedisKVIndex:
         metrics: backend errors are counted here.
     """
 
-    backend = "redis"
-
     def __init__(
         self,
         event_keys: EventKeys,
@@ -424,7 +422,7 @@ class RedisKVIndex:
         if results and results[0] != self._epoch:
             await self._check()
 
-    # -- events (the same contract as the in-process index) ----------------------------------
+    # -- events (the KVIndex contract, as in process) ---------------------------------------
 
     def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
         """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
