@@ -38,9 +38,14 @@ import zmq.asyncio
 
 from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
-from kv_picker.sources.kv_events import KVEventSubscriber, PublisherAddress, SubscriberSettings
+from kv_picker.sources.kv_event_subscriber import (
+    KVEventSubscriber,
+    PublisherAddress,
+    SubscriberSettings,
+)
+from kv_picker.state.block_events import BlockStored, EventKeys
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker_bench.sim.events import encode_batch, encode_removed, encode_stored
 from kv_picker_bench.valkey import ValkeyServer
@@ -152,7 +157,7 @@ def populate(index: Any, endpoints: int, chain: int, seed: int) -> list[int]:
         if not held:
             continue
         hashes = [(e << 40) + i + 1 for i in range(held)]
-        index.apply_stored(e, hashes, None, tokens[: held * BLOCK], BLOCK, "m")
+        index.apply_stored(e, BlockStored(hashes, None, tokens[: held * BLOCK], BLOCK), "m")
     keys: list[int] = index.event_keys.request_keys(tokens, "m", None, None)
     return keys
 
@@ -166,7 +171,7 @@ def lookup_memory(endpoints: int, chain: int, repeats: int) -> dict[str, float]:
     perf = time.perf_counter
     for _ in range(repeats):
         started = perf()
-        best = index.match_runs(keys, mask, runs)
+        best = index.runs(keys, mask, runs)
         timings.append(perf() - started)
     assert best == chain and runs[endpoints - 1] == chain
     return {
@@ -229,7 +234,7 @@ def memory_per_block(endpoints: int, blocks_per_endpoint: int, shared: bool) -> 
     common = [rng.getrandbits(64) for _ in range(blocks_per_endpoint)]
     for e in range(endpoints):
         hashes = common if shared else [rng.getrandbits(64) for _ in range(blocks_per_endpoint)]
-        index.apply_stored(e, hashes, None, [], BLOCK, "m")
+        index.apply_stored(e, BlockStored(hashes, None, [], BLOCK), "m")
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     return used / index.num_blocks()
@@ -256,7 +261,7 @@ async def redis_memory_per_block(url: str, endpoints: int, blocks_per_endpoint: 
         rng = random.Random(2)
         common = [rng.getrandbits(64) for _ in range(blocks_per_endpoint)]
         for e in range(endpoints):
-            index.apply_stored(e, common, None, [], BLOCK, "m")
+            index.apply_stored(e, BlockStored(common, None, [], BLOCK), "m")
         await index.drain(timeout_s=120)
         after = int(admin.info("memory")["used_memory"])
         return (after - before) / index.num_blocks()

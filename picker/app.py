@@ -6,7 +6,7 @@ PickerApp.start()
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
-  ├── RedisKVIndex task (index.backend redis): batched writes, outage detection and resync
+  ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
 """
@@ -38,10 +38,9 @@ from kv_picker.plugins import builtin_registry
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.sources.kv_events import build_kv_index, build_subscriber
+from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker.wire import HEALTH_SERVICES
 
 log = logging.getLogger(__name__)
@@ -147,8 +146,8 @@ class PickerApp:
         self.metrics_port = int(bound[0][1]) if bound else config.server.metrics_port
 
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="metrics-scraper"))
-        if isinstance(self.kv_index, RedisKVIndex):
-            self._tasks.append(asyncio.create_task(self.kv_index.run(), name="kv-index-redis"))
+        if self.kv_index is not None:
+            self._tasks.append(asyncio.create_task(self.kv_index.run(), name="kv-index"))
         if self.kv_subscriber is not None:
             self._tasks.append(asyncio.create_task(self.kv_subscriber.run(), name="kv-events"))
         if self.config_path is not None:
@@ -174,7 +173,7 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        if isinstance(self.kv_index, RedisKVIndex):
+        if self.kv_index is not None:
             await self.kv_index.close()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
@@ -241,11 +240,13 @@ class PickerApp:
     # -- HTTP -------------------------------------------------------------------------------
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
-        if self.kv_index is not None:
-            self.metrics.kv_index_blocks.set(self.kv_index.num_blocks())
-            if not isinstance(self.kv_index, RedisKVIndex):
-                self.metrics.kv_index_keys.set(len(self.kv_index))
-            evicted = self.kv_index.ledger.evicted_blocks
+        index = self.kv_index
+        if index is not None:
+            self.metrics.kv_index_blocks.set(index.num_blocks())
+            num_keys = index.num_keys()
+            if num_keys is not None:
+                self.metrics.kv_index_keys.set(num_keys)
+            evicted = index.num_evicted_blocks()
             self.metrics.kv_index_evictions.inc(evicted - self._kv_evictions_exported)
             self._kv_evictions_exported = evicted
         return web.Response(

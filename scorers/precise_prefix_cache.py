@@ -8,21 +8,23 @@ Formula: ``score = matched_blocks / total_blocks`` where ``matched_blocks`` is t
 consecutive blocks, from block 0, the endpoint holds, and ``total_blocks`` the request's full
 blocks.
 
-Inputs: the precise index (``index:`` section; in-process or Redis) fed by the endpoints' KV
-events (``kvEvents:`` section, :mod:`kv_picker.sources.kv_events`). The prompt is tokenized
-like the model server does (the model's ``tokenizer.json``, its chat template for chat
-requests, or the token ids a completion sent), cut into the index's ``blockSizeTokens``
-blocks and keyed by model, LoRA adapter and ``cache_salt`` (:mod:`kv_picker.state.block_keys`).
+Inputs: the precise index (``index:`` section; in-process or Redis, both behind
+:class:`kv_picker.state.kv_index.KVIndex`) fed by the endpoints' KV events (``kvEvents:``
+section). The prompt is tokenized like the model server does (the model's ``tokenizer.json``,
+its chat template for chat requests, or the token ids a completion sent), cut into the index's
+``blockSizeTokens`` blocks and keyed by model (or LoRA adapter) and ``cache_salt``
+(:mod:`kv_picker.state.block_keys`).
 A pick counts as holding the request's blocks for ``speculativeTTL`` only, until the
 endpoint's own ``BlockStored`` events (sent when its prefill has run) say so: requests for the
 same prefix arriving meanwhile follow it instead of spreading.
 
 Async work happens in ``prepare``, before the synchronous schedule: a prompt longer than
-``tokenizeInlineMaxChars`` is tokenized on a thread pool, and with the Redis backend the lookup
-(one round trip) is fetched there. Without that hook (``kv-picker explain``) the prompt is
-tokenized inline and a Redis-backed index gives no signal. A tokenizer error, or an
-unavailable backend, means no cache signal (all scores 0), never a failed request. Building
-the scorer fails when nothing feeds or shares an index (no ``kvEvents`` and a memory backend).
+``tokenizeInlineMaxChars`` is tokenized on a thread pool, and the index's prefetch runs there
+(one round trip with the Redis backend; nothing in process). Without that hook
+(``kv-picker explain``) the prompt is tokenized inline and a Redis-backed index gives no signal
+beyond the speculative holders. A tokenizer error, or an unavailable backend, means no cache
+signal (all scores 0), never a failed request. Building the scorer fails when nothing feeds or
+shares an index (no ``kvEvents`` and a memory backend).
 
 Publishes, for other plugins, each endpoint's matched blocks
 (:data:`kv_picker.scheduling.signals.PREFIX_MATCH`) and the exact prompt length
@@ -53,14 +55,14 @@ from kv_picker.scheduling.framework import (
     SchedulingResult,
 )
 from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch
-from kv_picker.state.kv_index import KVBlockIndex, SpeculativeHolders, longest_runs
-from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker.state.kv_index import KVIndex, Prefetched, SpeculativeHolders
+from kv_picker.state.prefix_runs import mask_of
 from kv_picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
 
 log = logging.getLogger(__name__)
 
 _KEYS_STATE = "precise_prefix_cache.keys"
-_RUNS_STATE = "precise_prefix_cache.runs"  # address -> run, from a shared backend
+_PREFETCHED_STATE = "precise_prefix_cache.prefetched"  # what the index fetched in prepare
 _NO_KEYS: list[int] = []
 
 
@@ -91,14 +93,13 @@ class PrecisePrefixCacheScorer:
     def __init__(self, name: str, params: PrecisePrefixCacheParams, ctx: BuildContext) -> None:
         self.name = name
         self.params = params
-        self.store = ctx.store
         index = ctx.kv_index
         if index is None:
             raise ValueError(
                 "needs a kvEvents section (where the endpoints publish KV events), or "
                 "index.backend: redis to read an index other replicas write"
             )
-        self.index: KVBlockIndex | RedisKVIndex = index
+        self.index: KVIndex = index
 
         def load_tokenizer(lifetime: Lifetime) -> PromptTokenizer:
             try:
@@ -112,8 +113,7 @@ class PrecisePrefixCacheScorer:
         self.event_keys = index.event_keys
         self.max_blocks = params.maxPrefixBlocksToMatch
         self.max_tokens = self.max_blocks * self.event_keys.block_size_tokens
-        self._runs: list[int] = []
-        self._speculative_runs: list[int] = []
+        self._runs: list[int] = []  # by endpoint id, reused by every request
         self.speculative: SpeculativeHolders | None = None
         if params.speculativeTTL > 0:
             ttl_s = params.speculativeTTL
@@ -157,16 +157,18 @@ class PrecisePrefixCacheScorer:
         request.state[_KEYS_STATE] = keys
         return keys
 
+    def _encode(self, found: PromptInput) -> list[int]:
+        if found.token_ids is None:
+            found.token_ids = self.tokenizer.encode(
+                found.text, found.add_special_tokens, self.max_tokens
+            )
+        return found.token_ids
+
     def keys(self, request: LLMRequest) -> list[int]:
         """The request's keys, computed once (inline when ``prepare`` did not run)."""
         keys: list[int] | None = request.state.get(_KEYS_STATE)
         if keys is None:
-            found = self._input(request)
-            if found.token_ids is None:
-                found.token_ids = self.tokenizer.encode(
-                    found.text, found.add_special_tokens, self.max_tokens
-                )
-            keys = self._keys_of(request, found.token_ids)
+            keys = self._keys_of(request, self._encode(self._input(request)))
         return keys
 
     # -- the two phases ---------------------------------------------------------------------
@@ -175,24 +177,24 @@ class PrecisePrefixCacheScorer:
         if _KEYS_STATE in request.state:
             return None
         found = self._input(request)
-        offload = found.token_ids is None and len(found.text) > self.params.tokenizeInlineMaxChars
-        if not offload and not isinstance(self.index, RedisKVIndex):
-            return None  # score() tokenizes inline and looks up in memory
-        return self._prepare(request, found, offload)
+        if found.token_ids is None and len(found.text) > self.params.tokenizeInlineMaxChars:
+            return self._prepare_offloaded(request, found)
+        # Short prompts are tokenized inline; only a backend that fetches needs a coroutine.
+        fetching = self.index.prefetch(self._keys_of(request, self._encode(found)))
+        return None if fetching is None else self._keep_prefetched(request, fetching)
 
-    async def _prepare(self, request: LLMRequest, found: PromptInput, offload: bool) -> None:
-        if found.token_ids is None:
-            if offload:
-                found.token_ids = await self.tokenizer.encode_async(
-                    found.text, found.add_special_tokens, self.max_tokens
-                )
-            else:
-                found.token_ids = self.tokenizer.encode(
-                    found.text, found.add_special_tokens, self.max_tokens
-                )
-        keys = self._keys_of(request, found.token_ids)
-        if isinstance(self.index, RedisKVIndex):
-            request.state[_RUNS_STATE] = await self.index.lookup(keys)
+    async def _prepare_offloaded(self, request: LLMRequest, found: PromptInput) -> None:
+        found.token_ids = await self.tokenizer.encode_async(
+            found.text, found.add_special_tokens, self.max_tokens
+        )
+        fetching = self.index.prefetch(self._keys_of(request, found.token_ids))
+        if fetching is not None:
+            await self._keep_prefetched(request, fetching)
+
+    async def _keep_prefetched(
+        self, request: LLMRequest, fetching: Awaitable[Prefetched | None]
+    ) -> None:
+        request.state[_PREFETCHED_STATE] = await fetching
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         keys = self.keys(request)
@@ -201,39 +203,20 @@ class PrecisePrefixCacheScorer:
         request.state[PREFIX_MATCH] = PrefixMatch(self.event_keys.block_size_tokens, total, matched)
         if not total:
             return
-        index = self.index
-        best = 0
         runs = self._runs
-        size = len(self.store.endpoints)
-        if len(runs) < size:
-            runs.extend([0] * (size - len(runs)))
-            self._speculative_runs.extend([0] * (size - len(self._speculative_runs)))
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
-        if isinstance(index, RedisKVIndex):
-            by_address: dict[str, int] | None = request.state.get(_RUNS_STATE)
-            speculative = self._speculative_runs
-            guessed = 0
-            if self.speculative is not None:
-                guessed = longest_runs(keys, mask, speculative, {}, self.speculative.maps())
-            if by_address or guessed:
-                for i, endpoint in enumerate(candidates):
-                    run = by_address.get(endpoint.address, 0) if by_address else 0
-                    if guessed and speculative[endpoint.id] > run:
-                        run = speculative[endpoint.id]
-                    if run:
-                        matched[endpoint.id] = run
-                        out[i] = run / total
-                        best = max(best, run)
-        else:
-            best = index.match_runs(keys, mask, runs, self.speculative)
-            if best:
-                for i, endpoint in enumerate(candidates):
-                    run = runs[endpoint.id]
-                    if run:
-                        matched[endpoint.id] = run
-                        out[i] = run / total
+        best = self.index.runs(
+            keys,
+            mask_of(candidates),
+            runs,
+            request.state.get(_PREFETCHED_STATE),
+            self.speculative,
+        )
+        if best:
+            for i, endpoint in enumerate(candidates):
+                run = runs[endpoint.id]
+                if run:
+                    matched[endpoint.id] = run
+                    out[i] = run / total
         self.lookups += 1
         self.queried_blocks += total
         self.hit_blocks += best

@@ -8,11 +8,11 @@ consecutive blocks, from block 0, recorded for the endpoint, and ``total_blocks`
 request's full blocks. A prompt shorter than one block scores 0 everywhere.
 
 Inputs: the prompt's text (:attr:`kv_picker.request.Prompt.text`) cut into ``blockSizeChars``
-blocks with chained keys seeded by model, LoRA adapter and ``cache_salt``
-(:mod:`kv_picker.state.hashing`). After each pick the destination, and the prefill endpoint
-when the profile handler chose one, are recorded as holding those blocks; each endpoint
-remembers its ``lruCapacityPerServer`` most recent keys. The index outlives config reloads
-that keep its shape.
+blocks of its UTF-8 bytes, keyed by the picker's chained block hash rooted in the model (or the
+LoRA adapter) and ``cache_salt`` (:mod:`kv_picker.state.hashing`). After each pick the
+destination, and the prefill endpoint when the profile handler chose one, are recorded as
+holding those blocks; each endpoint remembers its ``lruCapacityPerServer`` most recent keys.
+The index outlives config reloads that keep its shape.
 
 Publishes, for other plugins, each endpoint's matched blocks
 (:data:`kv_picker.scheduling.signals.PREFIX_MATCH`), with about 4 characters per token.
@@ -41,7 +41,8 @@ from kv_picker.scheduling.framework import (
 )
 from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, PREFIX_MATCH, PrefixMatch
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.hashing import chain_keys, chain_root
+from kv_picker.state.prefix_runs import mask_of
 
 _KEYS_STATE = "prefix_cache.keys"
 
@@ -84,15 +85,16 @@ class PrefixCacheScorer:
         # The index outlives a config reload that keeps its shape.
         key = ("prefix-index", name, params.blockSizeChars, params.lruCapacityPerServer)
         self.index = ctx.shared_resource(key, ApproximatePrefixIndex, create)
+        self._runs: list[int] = []  # by endpoint id, reused by every request
 
     def keys(self, request: LLMRequest) -> list[int]:
         """The request's block keys, computed once per request."""
         keys: list[int] | None = request.state.get(_KEYS_STATE)
         if keys is None:
-            seed = request_seed(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = char_block_keys(
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(
                 request.prompt.text.encode(),
-                seed,
+                root,
                 self.params.blockSizeChars,
                 self.params.maxPrefixBlocksToMatch,
             )
@@ -103,20 +105,19 @@ class PrefixCacheScorer:
         keys = self.keys(request)
         if not keys:
             return
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
-        runs = self.index.match_runs(keys, mask)
+        total = len(keys)
+        matched: dict[int, int] = {}
         # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
         request.state[PREFIX_MATCH] = PrefixMatch(
-            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, len(keys), runs
+            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, total, matched
         )
-        if not runs:
+        runs = self._runs
+        if not self.index.runs(keys, mask_of(candidates), runs):
             return
-        total = len(keys)
         for i, endpoint in enumerate(candidates):
-            run = runs.get(endpoint.id)
+            run = runs[endpoint.id]
             if run:
+                matched[endpoint.id] = run
                 out[i] = run / total
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:

@@ -68,7 +68,8 @@ from kv_picker.scheduling.framework import LLMRequest, SchedulingResult
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.signals import PROMPT_TOKENS
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
+from kv_picker.state.hashing import chain_keys, chain_root
+from kv_picker.state.prefix_runs import leading_runs, mask_of
 from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
 
 # ------------------------------------------------------------------------------ plugins
@@ -125,16 +126,15 @@ class SGLangCacheAwarePicker:
         self._in_flight = ctx.store.in_flight
         self.index = ApproximatePrefixIndex(params.maxTreeSizeChars // params.blockSizeChars)
         ctx.store.on_removed(self.index.remove_endpoint)
+        self._runs: list[int] = []
         self.cache_decisions = 0
         self.balance_decisions = 0
 
     def _keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] | None = request.state.get(_SGLANG_KEYS)
         if keys is None:
-            seed = request_seed(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = char_block_keys(
-                request.prompt.text.encode(), seed, self.params.blockSizeChars, 0
-            )
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(request.prompt.text.encode(), root, self.params.blockSizeChars)
             request.state[_SGLANG_KEYS] = keys
         return keys
 
@@ -153,17 +153,14 @@ class SGLangCacheAwarePicker:
             self.balance_decisions += 1
             return [self._least_loaded(candidates)]
         keys = self._keys(request)
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
-        runs = self.index.match_runs(keys, mask) if keys else {}
+        runs = self._runs
+        best = self.index.runs(keys, mask_of(candidates), runs) if keys else 0
         prompt_chars = len(request.prompt.text)
-        if runs and prompt_chars:
-            best = max(runs.values())
+        if best and prompt_chars:
             match_rate = best * params.blockSizeChars / prompt_chars
             if match_rate > params.cacheThreshold:
                 self.cache_decisions += 1
-                matched = [e for e in candidates if runs.get(e.id) == best]
+                matched = [e for e in candidates if runs[e.id] == best]
                 return [self._least_loaded(matched)]
         self.balance_decisions += 1
         return [self._least_loaded(candidates)]
@@ -196,29 +193,9 @@ class EventBlockIndex:
             else:
                 holders.pop(key, None)
 
-    def match_runs(self, keys: Sequence[int], candidate_mask: int) -> dict[int, int]:
-        """Leading-run length per endpoint id in the mask (absent: no match)."""
-        runs: dict[int, int] = {}
-        mask = candidate_mask
-        holders = self.holders
-        position = 0
-        for key in keys:
-            held = mask & holders.get(key, 0)
-            if held != mask:
-                dropped = mask & ~held
-                while position and dropped:
-                    low = dropped & -dropped
-                    runs[low.bit_length() - 1] = position
-                    dropped ^= low
-                mask = held
-                if not mask:
-                    return runs
-            position += 1
-        while position and mask:
-            low = mask & -mask
-            runs[low.bit_length() - 1] = position
-            mask ^= low
-        return runs
+    def runs(self, keys: Sequence[int], candidate_mask: int, runs_out: list[int]) -> int:
+        """Each candidate's leading run into ``runs_out`` (by endpoint id); returns the best."""
+        return leading_runs(keys, candidate_mask, runs_out, self.holders)
 
 
 @dataclass(frozen=True)
@@ -255,6 +232,7 @@ class DynamoCostPicker:
         self.approx = (
             None if params.useKvEvents else ApproximatePrefixIndex(params.approxCapacityBlocks)
         )
+        self._runs: list[int] = []
         self._active_blocks: dict[int, int] = {}
         self._prefill_tokens: dict[int, int] = {}
         self._requests: dict[str, _Active] = {}
@@ -271,7 +249,8 @@ class DynamoCostPicker:
     def _keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] | None = request.state.get(BLOCK_KEYS_STATE)
         if keys is None:  # no tokens: stand in 4-character tokens of the prompt text
-            keys = char_block_keys(request.prompt.text.encode(), 0, 4 * self.params.blockSize, 0)
+            root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
+            keys = chain_keys(request.prompt.text.encode(), root, 4 * self.params.blockSize)
             request.state[BLOCK_KEYS_STATE] = keys
         return keys
 
@@ -284,17 +263,16 @@ class DynamoCostPicker:
     ) -> list[Endpoint]:
         params = self.params
         keys = self._keys(request)
-        mask = 0
-        for endpoint in candidates:
-            mask |= 1 << endpoint.id
         index = self.events if self.events is not None else self.approx
-        runs = index.match_runs(keys, mask) if keys and index is not None else {}
+        assert index is not None  # one of the two, by useKvEvents
+        runs = self._runs
+        index.runs(keys, mask_of(candidates), runs)  # no keys: every run is 0
         block_size = params.blockSize
         input_tokens = self._input_tokens(request)
         request_blocks = -(-input_tokens // block_size)
         costs = []
         for endpoint in candidates:
-            new_tokens = input_tokens - runs.get(endpoint.id, 0) * block_size
+            new_tokens = input_tokens - runs[endpoint.id] * block_size
             prefill_blocks = (self._prefill_tokens.get(endpoint.id, 0) + new_tokens) / block_size
             decode_blocks = self._active_blocks.get(endpoint.id, 0) + request_blocks
             costs.append(params.overlapScoreWeight * prefill_blocks + decode_blocks)
@@ -313,7 +291,7 @@ class DynamoCostPicker:
         else:
             tied = [e for e, c in zip(candidates, costs, strict=True) if c == low]
             chosen = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
-        request.state["dynamo.new_tokens"] = input_tokens - runs.get(chosen.id, 0) * block_size
+        request.state["dynamo.new_tokens"] = input_tokens - runs[chosen.id] * block_size
         return [chosen]
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:

@@ -23,8 +23,7 @@ from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.hardware import HardwareTable
 
 if TYPE_CHECKING:
-    from kv_picker.state.kv_index import KVBlockIndex
-    from kv_picker.state.redis_index import RedisKVIndex
+    from kv_picker.state.kv_index import KVIndex
 
 T = TypeVar("T")
 
@@ -117,7 +116,7 @@ class BuildContext:
     clock: Callable[[], float]
     metrics_staleness_s: float
     hardware: HardwareTable = field(default_factory=HardwareTable)
-    kv_index: KVBlockIndex | RedisKVIndex | None = None
+    kv_index: KVIndex | None = None
     shared: SharedResources = field(default_factory=SharedResources)
     used_shared: set[Hashable] = field(default_factory=set)
 

@@ -11,15 +11,18 @@ holders: key -> int bitset of endpoint ids      (bit e set: endpoint e holds the
 lru[e]:  OrderedDict key -> None, oldest first   (per-endpoint recency, bounded)
 ```
 
-Lookup walks the request's keys once, intersecting the candidate bitset with each key's
-holders; when a bit drops out at block i, that endpoint's run is i. That is
-O(blocks + endpoints) with no per-block allocation beyond int operations.
+Lookup is the picker's one leading-run walk over ``holders``
+(:func:`kv_picker.state.prefix_runs.leading_runs`): O(blocks + endpoints), no per-block
+allocation beyond int operations. The index counts what its lookups matched for the scorer's
+hit ratio on /metrics.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from kv_picker.state.prefix_runs import leading_runs
 
 
 class ApproximatePrefixIndex:
@@ -47,38 +50,23 @@ class ApproximatePrefixIndex:
         """(key, endpoint) pairs held, the figure bounded by capacity × endpoints."""
         return sum(len(lru) for lru in self._lru.values())
 
-    def match_runs(self, keys: Sequence[int], candidate_mask: int) -> dict[int, int]:
-        """Leading-run length per endpoint id, for endpoints in ``candidate_mask``.
+    def runs(self, keys: Sequence[int], candidate_mask: int, runs_out: list[int]) -> int:
+        """Each candidate's leading run, by endpoint id, into ``runs_out``.
 
-        Endpoints with no match are absent from the result.
+        Args:
+            keys: the request's block keys, in order.
+            candidate_mask: bitset of the candidate endpoint ids.
+            runs_out: indexed by endpoint id; see
+                :func:`~kv_picker.state.prefix_runs.leading_runs`.
+
+        Returns:
+            The longest run of any candidate.
         """
-        runs: dict[int, int] = {}
-        mask = candidate_mask
-        holders = self._holders
-        position = 0
-        for key in keys:
-            held = mask & holders.get(key, 0)
-            if held != mask:
-                dropped = mask & ~held
-                if position:
-                    while dropped:
-                        low = dropped & -dropped
-                        runs[low.bit_length() - 1] = position
-                        dropped ^= low
-                mask = held
-                if not mask:
-                    break
-            position += 1  # noqa: SIM113 (the count outlives the loop)
-        else:
-            while mask and position:
-                low = mask & -mask
-                runs[low.bit_length() - 1] = position
-                mask ^= low
+        best = leading_runs(keys, candidate_mask, runs_out, self._holders)
         self.lookups += 1
         self.queried_blocks += len(keys)
-        if runs:
-            self.hit_blocks += max(runs.values())
-        return runs
+        self.hit_blocks += best
+        return best
 
     def record(self, endpoint_id: int, keys: Sequence[int]) -> None:
         """Note that ``endpoint_id`` now holds ``keys`` (most recently used last)."""

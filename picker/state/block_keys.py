@@ -5,18 +5,15 @@ Dual keys (the default). The index does not depend on how vLLM hashes blocks: ev
 each block from those tokens, exactly as the scorer computes keys for a request's tokens, and
 keeps a per-endpoint map from the engine's hash to our key so that ``BlockRemoved`` (which
 carries engine hashes only) can be applied. Any ``--prefix-caching-hash-algo`` and an unset
-``PYTHONHASHSEED`` on the pods work unchanged::
+``PYTHONHASHSEED`` on the pods work unchanged. The keys are the picker's one chained hash over
+the tokens' bytes (:mod:`kv_picker.state.hashing`: :func:`~kv_picker.state.hashing.chain_root`
+and :func:`~kv_picker.state.hashing.token_keys`)::
 
     root  = xxh64("kv-picker/1" \\0 model \\0 cache_salt)      model = LoRA adapter when one is used
     key_0 = xxh3_64(le_u32(tokens of block 0), seed=root)
     key_i = xxh3_64(le_u32(tokens of block i), seed=key_{i-1})
 
-A key names a block *and everything before it*, so two requests share key i only if they share
-blocks 0..i. Folding the ``cache_salt`` into the root means tenants with different salts never
-share a key (vLLM folds it into block 0's hash, which has the same effect through the chain).
-Only full blocks get keys. Chaining through the xxh3 seed costs one call per block.
-
-Strict keys reproduce vLLM's own block hashes (``vllm/v1/core/kv_cache_utils.py``
+Strict keys, this module, reproduce vLLM's own block hashes (``vllm/v1/core/kv_cache_utils.py``
 ``hash_block_tokens``) for the four ``--prefix-caching-hash-algo`` values, with the pods'
 ``PYTHONHASHSEED``::
 
@@ -38,92 +35,18 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
-_xxh3_64 = xxhash.xxh3_64_intdigest
 _U64_MASK = (1 << 64) - 1
-_SWAP_BYTES = sys.byteorder == "big"  # token bytes are little-endian on every machine
-_ROOT_DOMAIN = b"kv-picker/1"
 
 # The empty tuple of a block without extra keys: hoisted so a request allocates nothing for it.
 _NO_EXTRA: tuple[Any, ...] = ()
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 """vLLM's ``--prefix-caching-hash-algo`` values that strict mode reproduces."""
-
-
-def chain_root(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The root of a key chain.
-
-    Args:
-        model: the served (base) model name.
-        lora_name: the LoRA adapter, when the request uses one; it stands in for the model
-            (requests name an adapter as their model, events name it in ``lora_name``).
-        cache_salt: the request's ``cache_salt``; requests with different salts never share
-            a key.
-
-    Returns:
-        A 64-bit seed for :func:`chain_keys`.
-    """
-    material = b"\0".join(
-        (_ROOT_DOMAIN, (lora_name or model).encode(), (cache_salt or "").encode())
-    )
-    return xxhash.xxh64_intdigest(material)
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes.
-
-    Raises:
-        OverflowError: a token id is negative or does not fit 32 bits.
-        TypeError: a token id is not an int.
-    """
-    packed = array("I", token_ids)
-    if packed.itemsize != 4:  # pragma: no cover (no mainstream platform)
-        return struct.pack(f"<{len(token_ids)}I", *token_ids)
-    if _SWAP_BYTES:  # pragma: no cover
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def chain_keys(
-    token_ids: Sequence[int], parent: int, block_size_tokens: int, max_blocks: int = 0
-) -> list[int]:
-    """Chained keys of the full blocks of ``token_ids``, continuing from ``parent``.
-
-    Args:
-        token_ids: tokens, starting at a block boundary.
-        parent: :func:`chain_root` for block 0, else the key of the block before.
-        block_size_tokens: tokens per block (> 0).
-        max_blocks: at most this many keys (0 = every full block).
-
-    Returns:
-        One key per full block, in order; a trailing partial block has none.
-
-    Raises:
-        OverflowError, TypeError: a token id is not a uint32 int.
-    """
-    num_blocks = len(token_ids) // block_size_tokens
-    if max_blocks and num_blocks > max_blocks:
-        num_blocks = max_blocks
-    if not num_blocks:
-        return []
-    data = memoryview(token_bytes(token_ids[: num_blocks * block_size_tokens]))
-    step = 4 * block_size_tokens
-    keys = [0] * num_blocks
-    key = parent
-    start = 0
-    for i in range(num_blocks):
-        key = _xxh3_64(data[start : start + step], seed=key)
-        keys[i] = key
-        start += step
-    return keys
 
 
 # -- strict mode: vLLM's own hashes ---------------------------------------------------------

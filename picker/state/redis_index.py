@@ -5,10 +5,13 @@ mode the publishers' connections are spread over replicas), yet every replica mu
 endpoint's blocks. Redis holds the one index they all read and write.
 
 The scheduling path is synchronous, so the lookup cannot happen inside a scorer. Of the two
-ways around that, this backend takes the pre-fetch: the precise scorer's ``prepare`` hook runs
-before the synchronous schedule (see :class:`kv_picker.scheduling.framework.Prepare`), awaits one
-Redis round trip with the request's keys, and leaves the result in the request's state for
-``score``. A local mirror fed from Redis would make lookups free but put the whole index in
+ways around that, this backend takes the pre-fetch (the two steps of
+:class:`~kv_picker.state.kv_index.KVIndex`): :meth:`RedisKVIndex.prefetch` is awaited by the
+precise scorer's ``prepare`` hook before the synchronous schedule (see
+:class:`kv_picker.scheduling.framework.Prepare`) and costs one Redis round trip with the
+request's keys; :meth:`RedisKVIndex.runs` then maps its answer (runs by address, Redis's
+numbering being shared by replicas) to this replica's endpoint ids and merges the speculative
+holders. A local mirror fed from Redis would make lookups free but put the whole index in
 every replica's memory (what sharing is meant to avoid) and need a change feed to stay fresh;
 the pre-fetch costs one round trip per request (sub-millisecond on a LAN) and nothing else.
 
@@ -45,7 +48,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -54,7 +57,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kv_picker.metrics import PickerMetrics
-from kv_picker.state.kv_index import BlockLedger, EventKeys
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.block_ledger import BlockLedger
+from kv_picker.state.kv_index import Prefetched, SpeculativeHolders
+from kv_picker.state.prefix_runs import leading_runs
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +155,15 @@ _ADD = 0
 _REMOVE = 1
 _CLEAR_ALL = 2
 
+# The walk over the speculative holders alone: Redis answers for the blocks events reported.
+_NOTHING_HELD: dict[int, int] = {}
+
 
 class RedisKVIndex:
     """Precise index kept in Redis (see the module docstring).
 
     Args:
-        event_keys: key computation shared with the scorer.
+        event_keys: key computation shared with the scorer (and where drops are reported).
         url: ``redis://`` (or ``valkey://``) URL.
         key_prefix: namespace of every key this index writes.
         address_of: endpoint id → address (the store's), None for unknown ids.
@@ -164,10 +173,7 @@ class RedisKVIndex:
         timeout_s: budget of one lookup (and socket timeout).
         retry_s: how long to skip Redis after a failure before trying again.
         metrics: backend errors are counted here.
-        on_drop: called with (reason, blocks) when a stored event is not (fully) indexed.
     """
-
-    backend = "redis"
 
     def __init__(
         self,
@@ -181,10 +187,8 @@ class RedisKVIndex:
         timeout_s: float = 0.05,
         retry_s: float = 1.0,
         metrics: PickerMetrics | None = None,
-        on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self.event_keys = event_keys
-        self.block_size_tokens = event_keys.block_size_tokens
         self.url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
         self.prefix = key_prefix
         self._address_of = address_of
@@ -193,7 +197,6 @@ class RedisKVIndex:
         self.ledger = BlockLedger(
             default_capacity_blocks, max_blocks, capacity_source, self._evicted
         )
-        self._on_drop = on_drop
         self._errors = (
             {op: metrics.kv_index_backend_errors.labels(op) for op in ("lookup", "write")}
             if metrics is not None
@@ -419,39 +422,12 @@ class RedisKVIndex:
         if results and results[0] != self._epoch:
             await self._check()
 
-    # -- events (the same contract as the in-process index) ----------------------------------
+    # -- events (the KVIndex contract, as in process) ---------------------------------------
 
-    def apply_stored(
-        self,
-        endpoint_id: int,
-        engine_hashes: Sequence[int],
-        parent_hash: int | None,
-        token_ids: Sequence[int],
-        block_size: int,
-        model: str,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Any] | None = None,
-        medium: str | None = None,
-        kind: str | None = None,
-        lora_id: int | None = None,
-    ) -> int:
-        """Apply a ``BlockStored``; returns the number of blocks indexed."""
-        keys, reason = self.event_keys.stored_keys(
-            self.ledger,
-            endpoint_id,
-            engine_hashes,
-            parent_hash,
-            token_ids,
-            block_size,
-            model,
-            lora_name,
-            extra_keys,
-            medium,
-            kind,
-            lora_id,
-        )
-        if reason and self._on_drop is not None:
-            self._on_drop(reason, len(engine_hashes) - len(keys))
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
+        """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
+        engine_hashes = event.block_hashes
+        keys = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
         if not keys:
             return 0
         ledger = self.ledger
@@ -463,9 +439,10 @@ class RedisKVIndex:
         ledger.trim(endpoint_id)
         return len(keys)
 
-    def apply_removed(self, endpoint_id: int, engine_hashes: Sequence[int]) -> int:
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
+        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
         keys = []
-        for engine_hash in engine_hashes:
+        for engine_hash in event.block_hashes:
             key = self.ledger.pop(endpoint_id, engine_hash)
             if key is not None:
                 keys.append(key)
@@ -474,6 +451,7 @@ class RedisKVIndex:
         return len(keys)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
+        """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
         dropped = len(self.ledger.clear(endpoint_id))
         self._queue(_CLEAR_ALL, endpoint_id, [])
         return dropped
@@ -487,11 +465,63 @@ class RedisKVIndex:
     def _evicted(self, endpoint_id: int, key: int) -> None:
         self._queue(_REMOVE, endpoint_id, [key])
 
+    # -- sizes ------------------------------------------------------------------------------
+
     def num_blocks(self) -> int:
         """(endpoint, block) entries this replica tracks."""
         return self.ledger.size
 
+    def num_keys(self) -> None:
+        """Not known: counting the shared index's keys would cost a scan of Redis."""
+        return None
+
+    def num_evicted_blocks(self) -> int:
+        """Entries this replica evicted to respect its bounds since start."""
+        return self.ledger.evicted_blocks
+
     # -- lookup -----------------------------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[int]) -> Coroutine[None, None, dict[str, int] | None] | None:
+        """The lookup of ``keys`` to await before the schedule; None when it would give nothing.
+
+        None without keys, and while Redis is unavailable (no coroutine for a lookup that
+        could only answer "no signal"; the writer task probes and turns the signal back on).
+        """
+        if not keys or not self.available:
+            return None
+        return self.lookup(keys)
+
+    def runs(
+        self,
+        keys: Sequence[int],
+        candidate_mask: int,
+        runs_out: list[int],
+        prefetched: Prefetched | None = None,
+        speculative: SpeculativeHolders | None = None,
+    ) -> int:
+        """Each candidate's leading run: the longer of Redis's (prefetched) and the speculative.
+
+        See :meth:`kv_picker.state.kv_index.KVIndex.runs`. Without ``prefetched`` (no prepare
+        step ran, or Redis was unavailable) only the speculative holders count.
+        """
+        overlay = speculative.maps() if speculative is not None else None
+        # Writes every candidate's speculative run (0 without an overlay) and sizes the buffer.
+        best = leading_runs(keys, candidate_mask, runs_out, _NOTHING_HELD, overlay)
+        if not prefetched:
+            return best
+        address_of = self._address_of
+        mask = candidate_mask
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            endpoint_id = low.bit_length() - 1
+            address = address_of(endpoint_id)
+            run = prefetched.get(address, 0) if address is not None else 0
+            if run > runs_out[endpoint_id]:
+                runs_out[endpoint_id] = run
+                if run > best:
+                    best = run
+        return best
 
     async def lookup(self, keys: Sequence[int]) -> dict[str, int] | None:
         """Each endpoint's leading run for ``keys``, by address; None when Redis is unavailable.

@@ -33,8 +33,9 @@ from kv_picker.scorers.precise_prefix_cache import (
     PrecisePrefixCacheScorer,
 )
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.tokenization import PromptTokenizer, TokenizerError
 from tests.fakes import ManualClock, make_context, make_store
 
@@ -62,7 +63,9 @@ def store_blocks(index: KVBlockIndex, endpoint_id: int, tokens: list[int], **kw:
     blocks = len(tokens) // 16
     first_hash = 1000 * (endpoint_id + 1)
     hashes = list(range(first_hash, first_hash + blocks))
-    return index.apply_stored(endpoint_id, hashes, None, tokens[: blocks * 16], 16, "m", **kw)
+    return index.apply_stored(
+        endpoint_id, BlockStored(hashes, None, tokens[: blocks * 16], 16, **kw), "m"
+    )
 
 
 def scores(
@@ -98,7 +101,7 @@ def test_scores_are_matched_leading_blocks_over_request_blocks() -> None:
     subset = [store.all()[2], store.all()[0]]
     assert scores(scorer, request_for({"model": "m", "prompt": PROMPT}), subset) == [3 / total, 0]
     # A removal the endpoint reports cuts its run.
-    index.apply_removed(1, [1000 * 2 + 4])
+    index.apply_removed(1, BlockRemoved([1000 * 2 + 4]))
     assert (
         scores(scorer, request_for({"model": "m", "prompt": PROMPT}), store.all())[1] == 4 / total
     )
@@ -181,7 +184,7 @@ async def test_long_prompts_are_tokenized_on_a_thread_pool() -> None:
     tokens = TOKENIZED.encode(long_prompt)
     store_blocks(index, 0, tokens[: 16 * 300])
     short = request_for({"model": "m", "prompt": PROMPT})
-    assert scorer.prepare(short) is None  # inline in score(): no coroutine
+    assert scorer.prepare(short) is None  # tokenized inline, nothing to fetch: no coroutine
     request = request_for({"model": "m", "prompt": long_prompt})
     pending = scorer.prepare(request)
     assert pending is not None

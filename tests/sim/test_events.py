@@ -12,13 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kv_picker.sources.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    decode_payload,
-    decode_seq,
-)
+from kv_picker.sources.kv_event_decoder import decode_payload, decode_seq
+from kv_picker.state.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kv_picker.state.block_keys import VllmBlockHasher
 from kv_picker.state.tokenization import PromptTokenizer
 from kv_picker_bench.sim import SimEndpoint

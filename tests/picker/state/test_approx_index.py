@@ -2,7 +2,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_picker.state.approx_index import ApproximatePrefixIndex
-from kv_picker.state.hashing import char_block_keys, request_seed
 
 
 def brute_force_runs(
@@ -48,7 +47,11 @@ def test_matches_brute_force_lru_model(
             held.append(key)
         del held[: max(0, len(held) - capacity)]
     mask = sum(1 << e for e in candidates)
-    assert index.match_runs(query, mask) == brute_force_runs(model, query, candidates)
+    runs = [-1] * 6
+    expected = brute_force_runs(model, query, candidates)
+    assert index.runs(query, mask, runs) == max(expected.values(), default=0)
+    assert {e: runs[e] for e in candidates if runs[e]} == expected
+    assert all(runs[e] == (0 if e in candidates else -1) for e in range(6) if e not in expected)
     assert index.num_entries() == sum(len(v) for v in model.values())
     assert all(len(v) <= capacity for v in model.values())
 
@@ -58,24 +61,19 @@ def test_remove_endpoint_forgets_it() -> None:
     index.record(0, [1, 2, 3])
     index.record(1, [1, 2])
     index.remove_endpoint(0)
-    assert index.match_runs([1, 2, 3], 0b11) == {1: 2}
+    runs = [-1, -1]
+    assert index.runs([1, 2, 3], 0b11, runs) == 2
+    assert runs == [0, 2]
     index.remove_endpoint(1)
     assert len(index) == 0
 
 
-def test_keys_chain_and_isolate_salts() -> None:
-    seed = request_seed("m", None, None)
-    text = ("The quick brown fox jumps over the lazy dog. " * 10).encode()
-    keys = char_block_keys(text, seed, 64, 0)
-    assert len(keys) == len(text) // 64
-    # A shared prefix gives shared leading keys; a change in block 2 changes every key after it.
-    changed = bytearray(text)
-    changed[64 * 2 + 5] ^= 1
-    other = char_block_keys(bytes(changed), seed, 64, 0)
-    assert other[:2] == keys[:2]
-    assert all(a != b for a, b in zip(other[2:], keys[2:], strict=True))
-    salted = char_block_keys(text, request_seed("m", None, "tenant-a"), 64, 0)
-    assert not set(salted) & set(keys)
-    assert set(char_block_keys(text, request_seed("m2", None, None), 64, 0)).isdisjoint(keys)
-    assert char_block_keys(text, seed, 64, 3) == keys[:3]
-    assert char_block_keys(b"short", seed, 64, 0) == []
+def test_lookups_count_matched_blocks_for_the_hit_ratio() -> None:
+    index = ApproximatePrefixIndex(10)
+    index.record(0, [1, 2, 3])
+    index.record(1, [1])
+    runs: list[int] = []  # grown by the walk
+    assert index.runs([1, 2, 3, 4], 0b11, runs) == 3
+    assert runs == [3, 1]
+    assert index.runs([9], 0b11, runs) == 0
+    assert (index.lookups, index.queried_blocks, index.hit_blocks) == (2, 5, 3)

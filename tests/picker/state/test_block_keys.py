@@ -1,11 +1,10 @@
-"""Block keys: our chained dual keys, and vLLM's own hashes against the reference vectors."""
+"""Strict block keys: vLLM's own hashes against the reference vectors (dual keys: test_hashing)."""
 
 import hashlib
 import pickle
 import struct
 
 import pytest
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +12,6 @@ from kv_picker.state.block_keys import (
     HASH_ALGOS,
     VllmBlockHasher,
     cbor_canonical,
-    chain_keys,
-    chain_root,
     wire_hash,
 )
 from kv_picker_bench.sim.cache import BlockHasher
@@ -144,64 +141,6 @@ def test_cbor_is_the_canonical_encoding(value: object) -> None:
         return head(4, len(obj)) + b"".join(ref(item) for item in obj)
 
     assert cbor_canonical(value) == ref(value)
-
-
-def _reference_chain(tokens: list[int], parent: int, size: int) -> list[int]:
-    keys = []
-    for i in range(len(tokens) // size):
-        block = struct.pack(f"<{size}I", *tokens[i * size : (i + 1) * size])
-        parent = xxhash.xxh3_64_intdigest(block, seed=parent)
-        keys.append(parent)
-    return keys
-
-
-@settings(max_examples=300)
-@given(
-    st.lists(st.integers(0, 2**32 - 1), max_size=200),
-    st.lists(st.integers(0, 2**32 - 1), max_size=80),
-    st.integers(1, 20),
-    st.integers(0, 2**64 - 1),
-)
-def test_chain_keys_chain_and_resume(
-    head: list[int], tail: list[int], size: int, parent: int
-) -> None:
-    keys = chain_keys(head, parent, size)
-    assert keys == _reference_chain(head, parent, size)
-    assert len(keys) == len(head) // size
-    # A prefix's keys are a prefix of the longer sequence's keys.
-    full = chain_keys(head + tail, parent, size)
-    assert full[: len(keys)] == keys
-    # Resuming from the last key of whole blocks gives the rest of the chain.
-    aligned = len(head) // size * size
-    if keys:
-        assert chain_keys((head + tail)[aligned:], keys[-1], size) == full[len(keys) :]
-    assert chain_keys(head, parent, size, max_blocks=2) == keys[:2]
-
-
-def test_roots_isolate_models_adapters_and_salts() -> None:
-    roots = {
-        chain_root("m"),
-        chain_root("m", cache_salt="tenant-a"),
-        chain_root("m", cache_salt="tenant-b"),
-        chain_root("m2"),
-        chain_root("m", lora_name="ad"),
-        chain_root("m", lora_name="ad", cache_salt="tenant-a"),
-    }
-    assert len(roots) == 6
-    # An adapter stands in for the model: the base model name does not matter then.
-    assert chain_root("base", lora_name="ad") == chain_root("other", lora_name="ad")
-    assert chain_root("m", cache_salt="") == chain_root("m")
-    tokens = list(range(64))
-    assert set(chain_keys(tokens, chain_root("m", cache_salt="a"), 16)).isdisjoint(
-        chain_keys(tokens, chain_root("m", cache_salt="b"), 16)
-    )
-
-
-def test_token_ids_must_fit_uint32() -> None:
-    with pytest.raises(OverflowError):
-        chain_keys([2**32] * 16, 0, 16)
-    with pytest.raises(OverflowError):
-        chain_keys([-1] * 16, 0, 16)
 
 
 def test_pickle_protocol_is_vllms() -> None:

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_picker.state.block_keys import chain_keys, chain_root
-from kv_picker.state.kv_index import (
+from kv_picker.state.block_events import (
     DROP_BLOCK_SIZE,
     DROP_EXTRA_KEYS,
     DROP_LORA_ID,
     DROP_MEDIUM,
     DROP_TOKEN_COUNT,
     DROP_UNKNOWN_PARENT,
-    BlockLedger,
+    BlockRemoved,
+    BlockStored,
     EventKeys,
-    KVBlockIndex,
 )
+from kv_picker.state.block_ledger import BlockLedger
+from kv_picker.state.hashing import chain_root, token_keys
+from kv_picker.state.kv_index import KVBlockIndex
 
 NUM_ENDPOINTS = 4
 
@@ -109,10 +114,10 @@ def test_matches_brute_force_model(
     model = Model([c or default_capacity for c in scraped_capacities], max_blocks)
     for kind, endpoint, hashes in ops:
         if kind == "store":
-            index.apply_stored(endpoint, hashes, None, [], 16, "m")
+            index.apply_stored(endpoint, BlockStored(hashes, None, [], 16), "m")
             model.store(endpoint, hashes)
         elif kind == "remove":
-            index.apply_removed(endpoint, hashes)
+            index.apply_removed(endpoint, BlockRemoved(hashes))
             model.remove(endpoint, hashes)
         else:
             index.clear_endpoint(endpoint)
@@ -123,17 +128,17 @@ def test_matches_brute_force_model(
         assert sorted(index.ledger.keys(endpoint)) == sorted(model.entries.get(endpoint, {}))
     runs_out = [-1] * NUM_ENDPOINTS
     mask = sum(1 << e for e in candidates)
-    best = index.match_runs(query, mask, runs_out)
+    best = index.runs(query, mask, runs_out)
     expected = model.runs(query, candidates)
     assert {e: runs_out[e] for e in candidates} == expected
     assert all(runs_out[e] == -1 for e in range(NUM_ENDPOINTS) if e not in candidates)
     assert best == max(expected.values(), default=0)
     distinct = {key for held in model.entries.values() for key, _ in held.values()}
-    assert len(index) == len(distinct)
+    assert index.num_keys() == len(distinct)
 
 
-def dual_index(**kwargs: object) -> KVBlockIndex:
-    return KVBlockIndex(EventKeys(block_size_tokens=4), **kwargs)  # type: ignore[arg-type]
+def dual_index(on_drop: Callable[[str, int], None] | None = None, **kwargs: Any) -> KVBlockIndex:
+    return KVBlockIndex(EventKeys(block_size_tokens=4, on_drop=on_drop), **kwargs)
 
 
 def request_keys(index: KVBlockIndex, tokens: list[int], **kwargs: str) -> list[int]:
@@ -146,50 +151,58 @@ def test_dual_keys_from_events_match_request_keys() -> None:
     index = dual_index()
     tokens = list(range(100, 124))  # six blocks of 4
     # Stored in two events, as prefill chunks arrive: the second continues from its parent.
-    assert index.apply_stored(0, [11, 12, 13], None, tokens[:12], 4, "m") == 3
-    assert index.apply_stored(0, [14, 15, 16], 13, tokens[12:], 4, "m") == 3
+    assert index.apply_stored(0, BlockStored([11, 12, 13], None, tokens[:12], 4), "m") == 3
+    assert index.apply_stored(0, BlockStored([14, 15, 16], 13, tokens[12:], 4), "m") == 3
     keys = request_keys(index, [*tokens, 1, 2])
     assert len(keys) == 6
     runs = [0, 0]
-    assert index.match_runs(keys, 0b11, runs) == 6
+    assert index.runs(keys, 0b11, runs) == 6
     assert runs == [6, 0]
     # Removal by engine hash cuts the run at that block.
-    assert index.apply_removed(0, [14, 99]) == 1
-    index.match_runs(keys, 0b11, runs)
+    assert index.apply_removed(0, BlockRemoved([14, 99])) == 1
+    index.runs(keys, 0b11, runs)
     assert runs == [3, 0]
     # Another endpoint holding the first two blocks.
-    index.apply_stored(1, [21, 22], None, tokens[:8], 4, "m")
-    index.match_runs(keys, 0b11, runs)
+    index.apply_stored(1, BlockStored([21, 22], None, tokens[:8], 4), "m")
+    index.runs(keys, 0b11, runs)
     assert runs == [3, 2]
     assert index.clear_endpoint(0) == 5
-    index.match_runs(keys, 0b11, runs)
+    index.runs(keys, 0b11, runs)
     assert runs == [0, 2]
 
 
 def test_model_salt_and_adapter_separate_chains() -> None:
     index = dual_index()
     tokens = list(range(16))
-    index.apply_stored(0, [1, 2, 3, 4], None, tokens, 4, "m", extra_keys=[("s1",), None, None])
-    index.apply_stored(1, [5, 6, 7, 8], None, tokens, 4, "m")
     index.apply_stored(
-        2, [9, 10, 11, 12], None, tokens, 4, "m", lora_name="ad", extra_keys=[("ad",)] * 4
+        0, BlockStored([1, 2, 3, 4], None, tokens, 4, extra_keys=[("s1",), None, None]), "m"
+    )
+    index.apply_stored(1, BlockStored([5, 6, 7, 8], None, tokens, 4), "m")
+    index.apply_stored(
+        2,
+        BlockStored([9, 10, 11, 12], None, tokens, 4, lora_name="ad", extra_keys=[("ad",)] * 4),
+        "m",
     )
     runs = [0, 0, 0]
-    index.match_runs(request_keys(index, tokens, salt="s1"), 0b111, runs)
+    index.runs(request_keys(index, tokens, salt="s1"), 0b111, runs)
     assert runs == [4, 0, 0]
-    index.match_runs(request_keys(index, tokens), 0b111, runs)
+    index.runs(request_keys(index, tokens), 0b111, runs)
     assert runs == [0, 4, 0]
-    index.match_runs(request_keys(index, tokens, salt="s2"), 0b111, runs)
+    index.runs(request_keys(index, tokens, salt="s2"), 0b111, runs)
     assert runs == [0, 0, 0]
-    index.match_runs(request_keys(index, tokens, lora="ad"), 0b111, runs)
+    index.runs(request_keys(index, tokens, lora="ad"), 0b111, runs)
     assert runs == [0, 0, 4]
-    index.match_runs(request_keys(index, tokens, model="other"), 0b111, runs)
+    index.runs(request_keys(index, tokens, model="other"), 0b111, runs)
     assert runs == [0, 0, 0]
     # Salt and adapter together: vLLM's block 0 extra keys are (lora, salt).
     index.apply_stored(
-        0, [13, 14], None, tokens[:8], 4, "m", lora_name="ad", extra_keys=[("ad", "s1"), ("ad",)]
+        0,
+        BlockStored(
+            [13, 14], None, tokens[:8], 4, lora_name="ad", extra_keys=[("ad", "s1"), ("ad",)]
+        ),
+        "m",
     )
-    index.match_runs(request_keys(index, tokens, lora="ad", salt="s1"), 0b111, runs)
+    index.runs(request_keys(index, tokens, lora="ad", salt="s1"), 0b111, runs)
     assert runs == [2, 0, 0]
 
 
@@ -197,13 +210,18 @@ def test_what_is_not_indexed() -> None:
     drops: list[tuple[str, int]] = []
     index = dual_index(on_drop=lambda reason, n: drops.append((reason, n)))
     tokens = list(range(8))
-    assert index.apply_stored(0, [1, 2], 99, tokens, 4, "m") == 0
-    assert index.apply_stored(0, [1, 2], None, tokens, 16, "m") == 0
-    assert index.apply_stored(0, [1, 2], None, tokens[:7], 4, "m") == 0
-    assert index.apply_stored(0, [1, 2], None, tokens, 4, "m", medium="CPU") == 0
-    assert index.apply_stored(0, [1, 2], None, tokens, 4, "m", lora_id=3) == 0
+    assert index.apply_stored(0, BlockStored([1, 2], 99, tokens, 4), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 16), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens[:7], 4), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, medium="CPU"), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, lora_id=3), "m") == 0
     # A multimodal key on block 1: block 0 is indexed, the rest is not.
-    assert index.apply_stored(0, [1, 2], None, tokens, 4, "m", extra_keys=[None, ("img",)]) == 1
+    assert (
+        index.apply_stored(
+            0, BlockStored([1, 2], None, tokens, 4, extra_keys=[None, ("img",)]), "m"
+        )
+        == 1
+    )
     assert drops == [
         (DROP_UNKNOWN_PARENT, 2),
         (DROP_BLOCK_SIZE, 2),
@@ -212,20 +230,25 @@ def test_what_is_not_indexed() -> None:
         (DROP_LORA_ID, 2),
         (DROP_EXTRA_KEYS, 1),
     ]
-    assert index.apply_stored(0, [3], None, tokens[:4], 4, "m", kind="sliding_window") == 0
-    assert index.apply_stored(0, [3], None, [2**40] * 4, 4, "m") == 0
+    assert (
+        index.apply_stored(
+            0, BlockStored([3], None, tokens[:4], 4, kv_cache_spec_kind="sliding_window"), "m"
+        )
+        == 0
+    )
+    assert index.apply_stored(0, BlockStored([3], None, [2**40] * 4, 4), "m") == 0
     assert index.num_blocks() == 1
     # GPU medium in either spelling, and no medium, are indexed.
-    assert index.apply_stored(1, [5], None, tokens[:4], 4, "m", medium="GPU") == 1
+    assert index.apply_stored(1, BlockStored([5], None, tokens[:4], 4, medium="GPU"), "m") == 1
 
 
 def test_strict_mode_needs_no_tokens() -> None:
     index = KVBlockIndex(EventKeys(16, "strict", "xxhash", "0"))
     tokens = list(range(1, 33))
     wire = index.event_keys.request_keys(tokens, "m", None, None)
-    assert index.apply_stored(3, wire, None, [], 16, "m") == 2
+    assert index.apply_stored(3, BlockStored(wire, None, [], 16), "m") == 2
     runs = [0] * 4
-    assert index.match_runs(wire, 0b1000, runs) == 2
+    assert index.runs(wire, 0b1000, runs) == 2
     assert runs[3] == 2
 
 
@@ -234,25 +257,25 @@ def test_restored_block_refreshes_recency_and_capacity_follows_the_scrape() -> N
     index = dual_index(default_capacity_blocks=3, capacity_source=capacities)
     tokens = list(range(4))
     for engine_hash in (1, 2, 3):
-        index.apply_stored(0, [engine_hash], None, [engine_hash] * 4, 4, "m")
-    index.apply_stored(0, [1], None, [1] * 4, 4, "m")  # 1 is the most recent again
-    index.apply_stored(0, [4], None, tokens, 4, "m")
+        index.apply_stored(0, BlockStored([engine_hash], None, [engine_hash] * 4, 4), "m")
+    index.apply_stored(0, BlockStored([1], None, [1] * 4, 4), "m")  # 1 is the most recent again
+    index.apply_stored(0, BlockStored([4], None, tokens, 4), "m")
     assert list(index.ledger.keys(0)) == [
-        chain_keys(tokens_of, chain_root("m"), 4)[0] for tokens_of in ([3] * 4, [1] * 4, tokens)
+        token_keys(tokens_of, chain_root("m"), 4)[0] for tokens_of in ([3] * 4, [1] * 4, tokens)
     ]
     assert index.ledger.get(0, 2) is None
     capacities[0] = 1  # the scraper learned the real capacity
-    index.apply_stored(0, [5], None, [5] * 4, 4, "m")
+    index.apply_stored(0, BlockStored([5], None, [5] * 4, 4), "m")
     assert index.num_blocks() == 1 and index.ledger.get(0, 5) is not None
-    assert index.ledger.evicted_blocks == 4
+    assert index.num_evicted_blocks() == 4
 
 
 def test_remove_endpoint_forgets_it() -> None:
     index = dual_index()
-    index.apply_stored(2, [1, 2], None, list(range(8)), 4, "m")
+    index.apply_stored(2, BlockStored([1, 2], None, list(range(8)), 4), "m")
     index.remove_endpoint(2)
-    assert index.num_blocks() == 0 and len(index) == 0
-    index.apply_stored(2, [1], None, list(range(4)), 4, "m")
+    assert index.num_blocks() == 0 and index.num_keys() == 0
+    index.apply_stored(2, BlockStored([1], None, list(range(4)), 4), "m")
     assert index.num_blocks() == 1
 
 
@@ -261,3 +284,15 @@ def test_ledger_rejects_bad_bounds() -> None:
         BlockLedger(0, 10, None, lambda e, k: None)
     with pytest.raises(ValueError):
         EventKeys(key_mode="fuzzy")
+
+
+async def test_in_process_there_is_nothing_to_fetch_run_or_close() -> None:
+    index = dual_index()
+    tokens = list(range(8))
+    index.apply_stored(0, BlockStored([1, 2], None, tokens, 4), "m")
+    keys = request_keys(index, tokens)
+    assert index.prefetch(keys) is None  # no coroutine: runs() reads memory
+    runs = [0]
+    assert index.runs(keys, 0b1, runs, None) == 2
+    await asyncio.wait_for(index.run(), 1.0)  # returns at once
+    await index.close()

@@ -18,11 +18,12 @@ from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
 from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex, SpeculativeHolders
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker_bench.valkey import ValkeyServer
-from tests.fakes import make_context, make_request, make_store
+from tests.fakes import ManualClock, make_context, make_request, make_store
 
 TOKENIZER = Path(__file__).resolve().parents[3] / "benchmarks" / "tokenizer"
 
@@ -94,12 +95,12 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
             next_hash += blocks
             tokens = documents[doc][: 4 * blocks]
             for target in (index, local):
-                target.apply_stored(endpoint, hashes, None, tokens, 4, "m")
+                target.apply_stored(endpoint, BlockStored(hashes, None, tokens, 4), "m")
             stored[endpoint].append((doc, blocks))
         elif action < 0.9:
             victims = [rng.randrange(1, next_hash + 1) for _ in range(3)]
             for target in (index, local):
-                target.apply_removed(endpoint, victims)
+                target.apply_removed(endpoint, BlockRemoved(victims))
         else:
             for target in (index, local):
                 target.clear_endpoint(endpoint)
@@ -107,7 +108,7 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
     runs = [0] * 4
     for doc in documents:
         keys = local.event_keys.request_keys(doc, "m", None, None)
-        local.match_runs(keys, 0b1111, runs)
+        local.runs(keys, 0b1111, runs)
         expected = {store.all()[e].address: runs[e] for e in range(4) if runs[e]}
         assert await index.lookup(keys) == expected
     assert index.num_blocks() == local.num_blocks()
@@ -118,7 +119,7 @@ async def test_one_round_trip_per_lookup(
 ) -> None:
     index, _ = shared
     tokens = list(range(4 * 500))
-    index.apply_stored(1, list(range(1, 501)), None, tokens, 4, "m")
+    index.apply_stored(1, BlockStored(list(range(1, 501)), None, tokens, 4), "m")
     await settle(index)
     keys = index.event_keys.request_keys(tokens, "m", None, None)
     admin = server.client()
@@ -130,7 +131,7 @@ async def test_one_round_trip_per_lookup(
     assert calls.pop("evalsha") == 1
     assert set(calls) <= {"config|resetstat", "get"}
     # Removal and clearing reach Redis too.
-    index.apply_removed(1, [250])
+    index.apply_removed(1, BlockRemoved([250]))
     await settle(index)
     assert await index.lookup(keys) == {"10.0.0.2:8000": 249}
     index.clear_endpoint(1)
@@ -139,16 +140,45 @@ async def test_one_round_trip_per_lookup(
     assert not admin.keys("test:b:*")  # empty bitmaps are deleted
 
 
+async def test_runs_map_addresses_to_ids_and_add_the_speculative_holders(
+    shared: tuple[RedisKVIndex, Any],
+) -> None:
+    index, _ = shared
+    tokens = list(range(32))  # eight blocks of 4
+    index.apply_stored(1, BlockStored(list(range(1, 9)), None, tokens, 4), "m")
+    index.apply_stored(2, BlockStored([11, 12, 13], None, tokens[:12], 4), "m")
+    await settle(index)
+    keys = index.event_keys.request_keys(tokens, "m", None, None)
+    fetching = index.prefetch(keys)
+    assert fetching is not None
+    prefetched = await fetching
+    assert prefetched == {"10.0.0.2:8000": 8, "10.0.0.3:8000": 3}
+    runs = [-1] * 4
+    assert index.runs(keys, 0b0111, runs, prefetched) == 8
+    assert runs == [0, 8, 3, -1]  # endpoint 3 is no candidate: left alone
+    # Picks just sent endpoint 0 five blocks and endpoint 1 two: the longer run counts.
+    speculative = SpeculativeHolders(2.0, ManualClock())
+    speculative.record(0, keys[:5])
+    speculative.record(1, keys[:2])
+    assert index.runs(keys, 0b0111, runs, prefetched, speculative) == 8
+    assert runs == [5, 8, 3, -1]
+    # Nothing prefetched (no prepare step ran, or Redis was down): the speculative holders only.
+    assert index.runs(keys, 0b0111, runs, None, speculative) == 5
+    assert runs == [5, 2, 0, -1]
+    assert index.prefetch([]) is None
+    assert index.num_keys() is None and index.num_blocks() == 11
+
+
 async def test_lost_data_is_resynced_from_the_ledger(
     shared: tuple[RedisKVIndex, Any], server: ValkeyServer
 ) -> None:
     index, _ = shared
     tokens = list(range(40))
-    index.apply_stored(2, list(range(1, 11)), None, tokens, 4, "m")
+    index.apply_stored(2, BlockStored(list(range(1, 11)), None, tokens, 4), "m")
     await settle(index)
     keys = index.event_keys.request_keys(tokens, "m", None, None)
     server.client().flushall()  # e.g. a restart without persistence
-    index.apply_stored(3, [99], None, tokens[:4], 4, "m")  # the next write notices
+    index.apply_stored(3, BlockStored([99], None, tokens[:4], 4), "m")  # the next write notices
     await wait_for(lambda: server.client().exists("test:e:10.0.0.3:8000") == 1)
     assert await index.lookup(keys) == {"10.0.0.3:8000": 10, "10.0.0.4:8000": 1}
 
@@ -190,15 +220,20 @@ async def test_outage_means_no_signal_and_the_signal_returns(server: ValkeyServe
         await wait_for(lambda: index.available)
         tokens = director.scheduler.plugins["prefix-cache-scorer"].tokenizer.encode(prompt)
         blocks = len(tokens) // 16
-        index.apply_stored(2, list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16, "m")
+        index.apply_stored(
+            2, BlockStored(list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16), "m"
+        )
         await settle(index)
 
         async def route() -> tuple[str, float]:
             request = make_request(prompt)
+            available = index.available
             pending = director.prepare(request)
-            assert pending is not None  # the lookup is fetched before scheduling
+            # The lookup is fetched before scheduling; known unavailable: nothing to fetch.
+            assert (pending is not None) == available
             started = time.monotonic()
-            await pending
+            if pending is not None:
+                await pending
             elapsed = time.monotonic() - started
             return director.route(request).endpoint.address, elapsed
 
@@ -231,8 +266,8 @@ async def test_another_replica_reads_what_this_one_wrote(
 ) -> None:
     writer, _ = shared
     tokens = list(range(64))
-    writer.apply_stored(3, list(range(1, 17)), None, tokens, 4, "m")
-    writer.apply_stored(0, list(range(21, 25)), None, tokens[:16], 4, "m")
+    writer.apply_stored(3, BlockStored(list(range(1, 17)), None, tokens, 4), "m")
+    writer.apply_stored(0, BlockStored(list(range(21, 25)), None, tokens[:16], 4), "m")
     await settle(writer)
     # The reader's store numbers the same endpoints differently; addresses are what is shared.
     reader_store = EndpointStore(time.monotonic)
@@ -313,7 +348,7 @@ async def test_an_endpoint_leaving_the_pool_leaves_the_shared_index(
     index, store = shared
     store.on_removed(index.remove_endpoint)
     tokens = list(range(16))
-    index.apply_stored(3, [1, 2, 3, 4], None, tokens, 4, "m")
+    index.apply_stored(3, BlockStored([1, 2, 3, 4], None, tokens, 4), "m")
     await settle(index)
     assert server.client().exists("test:e:10.0.0.4:8000") == 1
     store.set_endpoints([EndpointSpec(e.address) for e in store.all()[:3]])

@@ -1,17 +1,8 @@
-"""vLLM KV events: the wire decoder and the subscriber that keeps the precise index current.
+"""The KV-event subscriber: sockets, sequence tracking and replay, into the precise index.
 
-Wire format (vLLM ``vllm/distributed/kv_events.py``; reference notes §1)::
-
-    frames:  [topic, seq (8 bytes, big-endian), msgpack payload]      topic: kv@<endpoint>@<model>
-    payload: [ts, events, data_parallel_rank]     (a map with those names is accepted too)
-    event:   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-              medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]   older vLLM
-             {"type": "BlockStored", "block_hashes": ..., ...}                       newer vLLM
-             BlockRemoved(block_hashes, medium, group_idx), AllBlocksCleared()
-    hash:    uint64, or the digest's bytes (the last 8 bytes, big-endian, name the block)
-
-Unknown fields and unknown event types are ignored; anything else that does not fit is a
-malformed message: counted and dropped, never an exception out of the subscriber.
+Delivery is what makes the index trustworthy, so it lives apart from the wire format
+(:mod:`kv_picker.sources.kv_event_decoder`, which turns bytes into event records) and from the
+index (any :class:`~kv_picker.state.kv_index.KVIndex`, which applies them).
 
 Delivery, per publisher (one per endpoint)::
 
@@ -26,6 +17,8 @@ Delivery, per publisher (one per endpoint)::
     disconnected      (connect mode) the publisher's process may be gone, and what it sends
                       meanwhile is lost anyway: drop the endpoint's entries at once (a
                       restarted vLLM starts empty) and catch up by replay on reconnection
+
+Malformed messages are counted and dropped, never an exception out of the subscriber.
 
 Sockets (``kvEvents.mode``): ``connect`` opens one SUB socket per endpoint to its publisher
 (the endpoint is known from the socket, topics may be anything); ``bind`` binds one SUB socket
@@ -42,241 +35,28 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-import msgpack
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from kv_picker.config import PickerConfig
-from kv_picker.endpoint import EndpointId, split_address
+from kv_picker.endpoint import split_address
 from kv_picker.metrics import PickerMetrics
+from kv_picker.sources.kv_event_decoder import (
+    END_SEQ,
+    MalformedMessage,
+    decode_payload,
+    decode_seq,
+    parse_topic,
+)
+from kv_picker.state.block_events import BlockRemoved, BlockStored
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker.state.kv_index import EventKeys, KVBlockIndex
-from kv_picker.state.redis_index import RedisKVIndex
+from kv_picker.state.kv_index import KVIndex
 
 log = logging.getLogger(__name__)
 
-_U64_MASK = (1 << 64) - 1
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""The replay socket's end-of-replay marker (``ff`` × 8)."""
-
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-)
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _YIELD_EVERY_MESSAGES = 32
 _MAX_PENDING_MESSAGES = 10_000
-
-
-class MalformedMessage(ValueError):
-    """A KV-event message that does not follow the wire format."""
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """Blocks that became cached. ``block_hashes`` are normalised to 64-bit ints."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """Cached blocks that were evicted."""
-
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    """The endpoint's prefix cache was reset."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(slots=True)
-class EventBatch:
-    """One published batch (one engine step)."""
-
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-# -- decoding --------------------------------------------------------------------------------
-
-
-def _hash64(value: Any) -> int:
-    if type(value) is int:
-        return value & _U64_MASK
-    if isinstance(value, bytes) and value:
-        return int.from_bytes(value[-8:], "big")
-    raise MalformedMessage(f"block hash must be an int or non-empty bytes, got {value!r:.40}")
-
-
-def _hashes(value: Any) -> list[int]:
-    if not isinstance(value, list):
-        raise MalformedMessage("block_hashes must be a list")
-    return [_hash64(v) for v in value]
-
-
-def _optional(value: Any, kind: type, name: str) -> Any:
-    if value is None or (type(value) is kind):
-        return value
-    raise MalformedMessage(f"{name} must be {kind.__name__} or nil")
-
-
-def _fields(event: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    if isinstance(event, dict):
-        return event
-    return dict(zip(names, event[1:], strict=False))
-
-
-def _decode_event(event: Any) -> KVEvent | None:
-    if isinstance(event, dict):
-        tag = event.get("type")
-    elif isinstance(event, list) and event:
-        tag = event[0]
-    else:
-        raise MalformedMessage("an event must be a tagged array or a map with a 'type'")
-    if tag == "BlockStored":
-        f = _fields(event, _STORED_FIELDS)
-        token_ids = f.get("token_ids")
-        block_size = f.get("block_size")
-        if not isinstance(token_ids, list):
-            raise MalformedMessage("BlockStored.token_ids must be a list")
-        if type(block_size) is not int or block_size <= 0:
-            raise MalformedMessage("BlockStored.block_size must be a positive int")
-        parent = f.get("parent_block_hash")
-        extra_keys = f.get("extra_keys")
-        if extra_keys is not None and not isinstance(extra_keys, list):
-            raise MalformedMessage("BlockStored.extra_keys must be a list or nil")
-        return BlockStored(
-            block_hashes=_hashes(f.get("block_hashes")),
-            parent_block_hash=None if parent is None else _hash64(parent),
-            token_ids=token_ids,
-            block_size=block_size,
-            lora_id=_optional(f.get("lora_id"), int, "lora_id"),
-            medium=_optional(f.get("medium"), str, "medium"),
-            lora_name=_optional(f.get("lora_name"), str, "lora_name"),
-            extra_keys=extra_keys,
-            group_idx=_optional(f.get("group_idx"), int, "group_idx"),
-            kv_cache_spec_kind=_optional(f.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"),
-        )
-    if tag == "BlockRemoved":
-        f = _fields(event, _REMOVED_FIELDS)
-        return BlockRemoved(
-            block_hashes=_hashes(f.get("block_hashes")),
-            medium=_optional(f.get("medium"), str, "medium"),
-            group_idx=_optional(f.get("group_idx"), int, "group_idx"),
-        )
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    if not isinstance(tag, str):
-        raise MalformedMessage("an event's tag must be a string")
-    return None  # an event type this picker does not know: ignored
-
-
-def decode_payload(payload: bytes) -> EventBatch:
-    """Decode a msgpack ``KVEventBatch``.
-
-    Raises:
-        MalformedMessage: for anything that is not a batch in either encoding.
-    """
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # msgpack raises many types on arbitrary bytes
-        raise MalformedMessage(f"payload is not msgpack: {type(exc).__name__}") from None
-    ts: Any
-    raw_events: Any
-    rank: Any
-    if isinstance(batch, dict):
-        ts, raw_events, rank = batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
-    elif isinstance(batch, list) and len(batch) >= 2:
-        ts, raw_events = batch[0], batch[1]
-        rank = batch[2] if len(batch) > 2 else None
-    else:
-        raise MalformedMessage("payload must be [ts, events, dp_rank] or a map")
-    if type(ts) not in (int, float):
-        raise MalformedMessage("batch ts must be a number")
-    if not isinstance(raw_events, list):
-        raise MalformedMessage("batch events must be a list")
-    if rank is not None and type(rank) is not int:
-        raise MalformedMessage("data_parallel_rank must be an int or nil")
-    try:
-        decoded = [_decode_event(e) for e in raw_events]
-    except MalformedMessage:
-        raise
-    except Exception as exc:  # e.g. a map whose keys are not strings
-        raise MalformedMessage(f"bad event: {type(exc).__name__}") from None
-    return EventBatch(float(ts), [e for e in decoded if e is not None], rank)
-
-
-def decode_seq(frame: bytes) -> int:
-    """The sequence number frame (8 bytes, big-endian, unsigned)."""
-    if len(frame) != 8:
-        raise MalformedMessage(f"sequence frame must be 8 bytes, got {len(frame)}")
-    return int.from_bytes(frame, "big")
-
-
-def parse_topic(topic: bytes) -> tuple[str | None, str | None]:
-    """(endpoint, model) from a ``kv@<endpoint>@<model>`` topic; (None, None) otherwise."""
-    try:
-        text = topic.decode()
-    except UnicodeDecodeError:
-        return None, None
-    parts = text.split("@")
-    if len(parts) != 3 or parts[0] != "kv" or not parts[1]:
-        return None, None
-    return parts[1], parts[2] or None
-
-
-# -- subscriber -------------------------------------------------------------------------------
-
-
-class IndexSink(Protocol):
-    """What the subscriber writes to (the in-process or the Redis-backed index)."""
-
-    def apply_stored(
-        self,
-        endpoint_id: int,
-        engine_hashes: Sequence[int],
-        parent_hash: int | None,
-        token_ids: Sequence[int],
-        block_size: int,
-        model: str,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Any] | None = None,
-        medium: str | None = None,
-        kind: str | None = None,
-        lora_id: int | None = None,
-    ) -> int: ...
-
-    def apply_removed(self, endpoint_id: int, engine_hashes: Sequence[int]) -> int: ...
-
-    def clear_endpoint(self, endpoint_id: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +124,7 @@ class KVEventSubscriber:
         self,
         settings: SubscriberSettings,
         store: EndpointStore,
-        index: IndexSink,
+        index: KVIndex,
         metrics: PickerMetrics,
     ) -> None:
         if settings.mode not in ("connect", "bind"):
@@ -618,22 +398,10 @@ class KVEventSubscriber:
         try:
             for event in batch.events:
                 if type(event) is BlockStored:
-                    index.apply_stored(
-                        endpoint_id,
-                        event.block_hashes,
-                        event.parent_block_hash,
-                        event.token_ids,
-                        event.block_size,
-                        model,
-                        event.lora_name,
-                        event.extra_keys,
-                        event.medium,
-                        event.kv_cache_spec_kind,
-                        event.lora_id,
-                    )
+                    index.apply_stored(endpoint_id, event, model)
                     self._applied["stored"].inc(len(event.block_hashes))
                 elif type(event) is BlockRemoved:
-                    index.apply_removed(endpoint_id, event.block_hashes)
+                    index.apply_removed(endpoint_id, event)
                     self._applied["removed"].inc(len(event.block_hashes))
                 else:
                     index.clear_endpoint(endpoint_id)
@@ -720,82 +488,3 @@ class KVEventSubscriber:
                 yield (frames[1] if len(frames) == 4 else b""), decode_seq(seq_frame), payload
         finally:
             sock.close(0)
-
-
-# -- wiring -------------------------------------------------------------------------------------
-
-
-def build_kv_index(
-    config: PickerConfig, store: EndpointStore, metrics: PickerMetrics
-) -> KVBlockIndex | RedisKVIndex | None:
-    """The precise index a config asks for (None when nothing would feed or read it)."""
-    settings = config.index
-    if config.kv_events is None and settings.backend != "redis":
-        return None
-    event_keys = EventKeys(
-        settings.block_size_tokens, settings.keys, settings.hash_algo, settings.hash_seed
-    )
-    dropped = metrics.kv_events_dropped
-
-    def on_drop(reason: str, blocks: int) -> None:
-        dropped.labels(reason).inc(blocks)
-
-    index: KVBlockIndex | RedisKVIndex
-    if settings.backend == "redis":
-
-        def address_of(endpoint_id: int) -> str | None:
-            endpoint = (
-                store.get(EndpointId(endpoint_id)) if endpoint_id < len(store.endpoints) else None
-            )
-            return None if endpoint is None else endpoint.address
-
-        index = RedisKVIndex(
-            event_keys,
-            settings.url,
-            settings.key_prefix,
-            address_of,
-            default_capacity_blocks=settings.capacity_blocks_per_endpoint,
-            max_blocks=settings.max_blocks,
-            capacity_source=store.num_gpu_blocks,
-            timeout_s=settings.timeout_s,
-            retry_s=settings.retry_interval_s,
-            metrics=metrics,
-            on_drop=on_drop,
-        )
-    else:
-        index = KVBlockIndex(
-            event_keys,
-            default_capacity_blocks=settings.capacity_blocks_per_endpoint,
-            max_blocks=settings.max_blocks,
-            capacity_source=store.num_gpu_blocks,
-            on_drop=on_drop,
-        )
-    store.on_removed(index.remove_endpoint)
-    return index
-
-
-def build_subscriber(
-    config: PickerConfig,
-    store: EndpointStore,
-    index: KVBlockIndex | RedisKVIndex | None,
-    metrics: PickerMetrics,
-) -> KVEventSubscriber | None:
-    """The subscriber of the config's ``kvEvents`` section (None without one)."""
-    events = config.kv_events
-    if events is None or index is None:
-        return None
-    settings = SubscriberSettings(
-        mode=events.mode,
-        bind=events.bind,
-        publisher_port=events.publisher_port,
-        replay_port=events.replay_port,
-        endpoints=tuple(
-            (address, PublisherAddress(source.publisher, source.replay))
-            for address, source in events.endpoints.items()
-        ),
-        topic_filter=events.topic_filter,
-        model=events.model,
-        replay_timeout_s=events.replay_timeout_s,
-        catch_up=events.catch_up,
-    )
-    return KVEventSubscriber(settings, store, index, metrics)
