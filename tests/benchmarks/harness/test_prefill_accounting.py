@@ -14,7 +14,7 @@ from typing import Any
 from kv_picker.request import LLMRequest
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
-from tests.harness.conftest import make_trace, small_cluster, small_trace
+from tests.benchmarks.harness.conftest import make_trace, small_cluster, small_trace
 
 TOKEN_AWARE = Policy(
     "token-aware",

@@ -18,9 +18,9 @@ from kv_picker.state.block_keys import VllmBlockHasher
 from kv_picker.state.tokenization import PromptTokenizer
 from kv_picker_bench.sim import SimEndpoint
 from kv_picker_bench.sim.events import END_SEQ
-from tests.sim.conftest import StartEndpoint
+from tests.benchmarks.sim.conftest import StartEndpoint
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "benchmarks" / "tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[3] / "benchmarks" / "tokenizer"
 MODEL = "sim-model"
 
 

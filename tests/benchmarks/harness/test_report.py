@@ -12,7 +12,7 @@ from kv_picker_bench.harness.report import (
     markdown_table,
     summarize,
 )
-from tests.harness.conftest import make_trace, simulate, small_cluster, small_trace
+from tests.benchmarks.harness.conftest import make_trace, simulate, small_cluster, small_trace
 
 
 def test_latency_stats_nearest_rank() -> None:

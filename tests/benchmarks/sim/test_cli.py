@@ -15,7 +15,7 @@ import pytest
 
 from kv_picker_bench.sim import ENDPOINT_HEADER, build_parser, main
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _start(*args: str) -> tuple[subprocess.Popen[str], str]:

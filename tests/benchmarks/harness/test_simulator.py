@@ -27,7 +27,7 @@ from kv_picker_bench.harness.simulator import (
 from kv_picker_bench.harness.traces import ChatSpec, prompt_text, slice_trace
 from kv_picker_bench.sim.engine import EngineConfig, SimEngine
 from kv_picker_bench.sim.tokenizer import encode
-from tests.harness.conftest import make_trace, simulate, small_cluster, small_trace
+from tests.benchmarks.harness.conftest import make_trace, simulate, small_cluster, small_trace
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SUFFIXES = frozenset({".md", ".txt", ".json", ".yaml", ".yml"})
 # Folders that hold checkouts, scratch files and home directories on common machines.
 COMMON_PREFIXES = ("/work/", "/tmp/", "/root/", "/home/", "/Users/", "/private/var/")

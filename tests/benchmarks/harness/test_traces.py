@@ -24,7 +24,7 @@ from kv_picker_bench.harness.traces import (
 from kv_picker_bench.sim.tokenizer import encode
 
 # shared/ sits beside the repository (development machines and CI alike).
-MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[4] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def write_lines(path: Path, rows: list[object]) -> Path:

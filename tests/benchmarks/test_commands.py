@@ -1,0 +1,97 @@
+"""The benchmark package's commands, run as users run them: a real subprocess per command."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.picker.test_cli import kv_picker, processes_with_marker
+
+
+def test_help_texts() -> None:
+    for args in (
+        ["demo", "--help"],
+        ["sim-endpoint", "--help"],
+        ["bench", "--help"],
+        ["bench", "overhead", "--help"],
+    ):
+        result = kv_picker(*args, timeout_s=30)
+        assert result.returncode == 0, (args, result.stderr)
+        assert "usage" in result.stdout.lower()
+
+
+def test_demo_prints_the_table_and_leaves_no_process() -> None:
+    marker = f"KV_PICKER_TEST_MARK={uuid.uuid4()}"
+    key, value = marker.split("=", 1)
+    env = {**os.environ, key: value}
+    result = kv_picker("demo", "--requests", "36", "--concurrency", "4", env=env, timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| random (cache-blind) | 36 | 0 |" in result.stdout
+    assert "| kv-picker default | 36 | 0 |" in result.stdout
+    assert processes_with_marker(marker) == []
+
+
+@pytest.mark.parametrize("mode", ["approximate", "precise"])
+def test_overhead_benchmark_smoke(tmp_path: Path, mode: str) -> None:
+    result = kv_picker(
+        "--log-level",
+        "warning",
+        "bench",
+        "overhead",
+        "--endpoints",
+        "2",
+        "--requests",
+        "10",
+        "--connections",
+        "1,2",
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "200",
+        "--mode",
+        mode,
+        "--out",
+        str(tmp_path),
+        timeout_s=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "overhead.json").read_text())
+    assert [row["connections"] for row in rows] == [1, 2]
+    assert all(row["direct"]["errors"] == 0 and row["picker"]["errors"] == 0 for row in rows)
+    assert all(row["picker"]["p50_ms"] > 0 for row in rows)
+
+
+def test_pd_benchmark_smoke(tmp_path: Path) -> None:
+    result = kv_picker(
+        "bench",
+        "pd",
+        "--fast",
+        "1",
+        "--slow",
+        "1",
+        "--requests",
+        "12",
+        "--rate",
+        "4",
+        "--long-share",
+        "0.5",
+        "--long-words",
+        "900",
+        "--threshold",
+        "256",
+        "--time-scale",
+        "0.02",
+        "--out",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["policy"]: row for row in json.loads((tmp_path / "pd.json").read_text())}
+    assert set(rows) == {"hardware-blind", "aggregated", "pd"}
+    assert all(row["errors"] == 0 for row in rows.values())
+    assert rows["pd"]["disaggregated"] > 0
+    assert rows["hardware-blind"]["disaggregated"] == 0
