@@ -1,0 +1,563 @@
+"""``kv-picker bench matrix``: every policy on every cell of workload family × offered load ×
+cluster shape (× timing profile), and how far each policy is from the best in each cell.
+
+A default routing profile has to be good on traffic it was never tuned on, so it is judged on a
+matrix rather than on one trace:
+
+```
+family (tuning | held-out)   load (of prefill capacity)   cluster              timing
+conversation, llm-d, chat,   0.3  0.6  0.9  1.2           h100x16, mixed,      8B on H100,
+zipf-prefix, long-doc-qa,                                 small4, pd (long     70B at TP4
+agentic, rag, mixed, lora,                                prompts only)
+tenants
+```
+
+- **Families** are trace generators with randomized parameters under a seed
+  (:mod:`~kv_picker_bench.harness.traces`), plus a window of the Mooncake conversation trace.
+  Each is in the *tuning* set (defaults and weights may be chosen on it) or the *held-out* set
+  (reported, never tuned on): :data:`FAMILIES` names the split.
+- **Load** is the fraction of the cluster's prefill capacity a perfect router would keep busy:
+  each request's practical zero-queue floor summed over the arrival span, over the cluster's
+  prefill capacity (:func:`~kv_picker_bench.harness.floors.scale_to_load`). 1.0 means even
+  perfect routing with a pooled cache has no idle prefill time.
+- **Clusters**: 16 identical H100s; a mixed H100/A100/L4 pool; 4 H100s; P/D (4 prefill + 12
+  decode H100s, policies under the service's pd-profile-handler) for long-prompt families.
+- Every cell runs every policy: the six baselines, the built-in default (``kv-picker``) and
+  any ``--policy`` candidates. Per cell the best value of each metric is found; each policy's
+  ratio to it (TTFT mean, p90, p99: higher is worse; output throughput: lower is worse) is
+  reported with its worst cell. The default passes a cell when its TTFT mean and p90 are
+  within 5% of the best (or better) and its throughput within 5%, and it is never worse than
+  the GIE default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kv_picker_bench.harness.args import (
+    EXIT_OK,
+    UsageError,
+    record_command,
+    results_dir,
+    run_command,
+)
+from kv_picker_bench.harness.floors import (
+    IdealCaches,
+    Floors,
+    floor_ratios,
+    ideal_caches,
+    offered_load,
+    scale_to_load,
+    ttft_floors,
+)
+from kv_picker_bench.harness.policies import (
+    BASELINES,
+    Policy,
+    harness_registry,
+    pd_variant,
+    resolve_policies,
+)
+from kv_picker_bench.harness.report import PolicyMetrics, summarize, write_json
+from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
+from kv_picker_bench.harness.traces import Trace, parse_trace_spec, slice_trace
+
+TUNING = "tuning"
+HELD_OUT = "held-out"
+
+DEFAULT_POLICY = "kv-picker"
+GIE_DEFAULT = "gie-default"
+PASS_RATIO = 1.05
+"""A cell passes when the default is within 5% of the best policy on each criterion."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One workload family of the matrix.
+
+    Attributes:
+        name: short name in reports.
+        spec: the trace spec (``--trace``) of its full-size workload.
+        quick_spec: a small version for ``--quick``.
+        split: ``tuning`` or ``held-out``.
+        long_prompts: whether P/D is worth a cell (prompts long enough to disaggregate).
+    """
+
+    name: str
+    spec: str
+    quick_spec: str
+    split: str
+    long_prompts: bool = False
+
+
+FAMILIES: dict[str, Family] = {}
+"""The matrix's families, filled by :func:`register_families`."""
+
+
+def register_families(families: Sequence[Family]) -> None:
+    for family in families:
+        FAMILIES[family.name] = family
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    """A cluster the matrix runs on.
+
+    Attributes:
+        name: short name in reports.
+        endpoints: ``(role, hardware, count)`` triples.
+        pd: run policies under the P/D profile handler.
+    """
+
+    name: str
+    endpoints: tuple[tuple[str, str, int], ...]
+    pd: bool = False
+
+    def config(self, **overrides: Any) -> ClusterConfig:
+        setups = tuple(
+            EndpointSetup(role, hardware) for role, hardware, count in self.endpoints
+            for _ in range(count)
+        )
+        return ClusterConfig(endpoints=setups, **overrides)
+
+
+CLUSTERS: dict[str, ClusterShape] = {
+    "h100x16": ClusterShape("h100x16", (("both", "H100", 16),)),
+    "mixed": ClusterShape("mixed", (("both", "H100", 4), ("both", "A100", 6), ("both", "L4", 6))),
+    "small4": ClusterShape("small4", (("both", "H100", 4),)),
+    "pd": ClusterShape("pd", (("prefill", "H100", 4), ("decode", "H100", 12)), pd=True),
+}
+
+DEFAULT_LOADS = (0.3, 0.6, 0.9, 1.2)
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    family: str
+    load: float
+    cluster: str
+    timing: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} / {self.load:g} / {self.cluster} / {self.timing}"
+
+
+@dataclass(slots=True)
+class CellResult:
+    """Every policy's metrics on one cell, with the cell's floors."""
+
+    cell: Cell
+    requests: int
+    offered_rate_per_s: float
+    metrics: dict[str, PolicyMetrics]
+    floors: dict[str, dict[str, float]]
+    hit_bounds: dict[str, float]
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass(slots=True)
+class _Job:
+    cell: Cell
+    policy: Policy
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(traces: dict[Cell, Trace], configs: dict[Cell, ClusterConfig], seed: int) -> None:
+    _WORKER.update(traces=traces, configs=configs, seed=seed)
+
+
+def _run_job(job: _Job) -> tuple[Cell, PolicyMetrics]:
+    registry = harness_registry()
+    config: ClusterConfig = _WORKER["configs"][job.cell]
+    trace: Trace = _WORKER["traces"][job.cell]
+    result = run_policy(
+        trace,
+        config,
+        job.policy.config(registry),
+        registry,
+        job.policy.name,
+        seed=_WORKER["seed"],
+        needs_prompt=job.policy.needs_prompt,
+    )
+    return job.cell, summarize(result, config)
+
+
+@dataclass(slots=True)
+class MatrixPlan:
+    """What to run: cells, their traces and clusters, and the policies."""
+
+    cells: list[Cell]
+    traces: dict[Cell, Trace]
+    configs: dict[Cell, ClusterConfig]
+    floors: dict[Cell, Floors]
+    caches: dict[Cell, IdealCaches]
+    policies: list[Policy]
+    pd_policies: list[Policy] = field(default_factory=list)
+
+    def jobs(self) -> list[_Job]:
+        work = []
+        for cell in self.cells:
+            shape = CLUSTERS[cell.cluster]
+            for policy in self.pd_policies if shape.pd else self.policies:
+                work.append(_Job(cell, policy))
+        return work
+
+
+def plan_matrix(
+    families: Sequence[str],
+    loads: Sequence[float],
+    clusters: Sequence[str],
+    timings: Sequence[str],
+    policies: Sequence[Policy],
+    quick: bool,
+    cluster_overrides: Callable[[str], dict[str, Any]],
+) -> MatrixPlan:
+    """Build every cell's trace (scaled to its load) and cluster.
+
+    Args:
+        cluster_overrides: per timing profile name, the ``ClusterConfig`` fields it sets
+            (the timing model, KV capacity, KV bytes per token).
+    """
+    cells: list[Cell] = []
+    traces: dict[Cell, Trace] = {}
+    configs: dict[Cell, ClusterConfig] = {}
+    floors: dict[Cell, Floors] = {}
+    caches: dict[Cell, IdealCaches] = {}
+    base_traces: dict[str, Trace] = {}
+    for name in families:
+        family = FAMILIES[name]
+        base_traces[name] = parse_trace_spec(family.quick_spec if quick else family.spec)
+        base_traces[name].name = name
+    for timing in timings:
+        for name in families:
+            family = FAMILIES[name]
+            for cluster_name in clusters:
+                shape = CLUSTERS[cluster_name]
+                if shape.pd and not family.long_prompts:
+                    continue
+                config = shape.config(**cluster_overrides(timing))
+                base = slice_trace(base_traces[name])
+                cell_caches = ideal_caches(base, config)
+                base_floors = ttft_floors(base, config, cell_caches)
+                for load in loads:
+                    cell = Cell(name, load, cluster_name, timing)
+                    trace = scale_to_load(base, config, load, base_floors)
+                    cells.append(cell)
+                    traces[cell] = trace
+                    configs[cell] = config
+                    floors[cell] = base_floors  # the floors do not depend on arrival times
+                    caches[cell] = cell_caches
+    pd_policies = [pd_variant(p) for p in policies]
+    return MatrixPlan(cells, traces, configs, floors, caches, list(policies), pd_policies)
+
+
+def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[CellResult]:
+    """Run every job of the plan; results in cell order."""
+    work = plan.jobs()
+    bar = None
+    if not quiet:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        tqdm.monitor_interval = 0
+        bar = tqdm(total=len(work), unit="run", desc="matrix", file=sys.stderr)
+    done: list[tuple[Cell, PolicyMetrics]] = []
+    if jobs <= 1:
+        _init_worker(plan.traces, plan.configs, seed)
+        for job in work:
+            done.append(_run_job(job))
+            if bar is not None:
+                bar.update(1)
+    else:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(
+            min(jobs, len(work)),
+            initializer=_init_worker,
+            initargs=(plan.traces, plan.configs, seed),
+        ) as pool:
+            for item in pool.imap_unordered(_run_job, work, chunksize=1):
+                done.append(item)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    by_cell: dict[Cell, dict[str, PolicyMetrics]] = {cell: {} for cell in plan.cells}
+    for cell, metrics in done:
+        by_cell[cell][metrics.policy] = metrics
+    results = []
+    for cell in plan.cells:
+        trace = plan.traces[cell]
+        summary = trace.summary()
+        results.append(
+            CellResult(
+                cell,
+                summary["requests"],
+                summary["rate_per_s"] or 0.0,
+                by_cell[cell],
+                plan.floors[cell].stats(),
+                plan.caches[cell].hit_ratios(),
+            )
+        )
+    return results
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True, slots=True)
+class Ratios:
+    """One policy's figures on one cell over the cell's best (TTFT: >= 1; throughput: <= 1)."""
+
+    ttft_mean: float
+    ttft_p90: float
+    ttft_p99: float
+    throughput: float
+
+
+def cell_ratios(result: CellResult) -> dict[str, Ratios]:
+    """Every policy's ratios to the best policy of the cell."""
+    rows = result.metrics
+    best_mean = min(m.ttft_s["mean"] for m in rows.values())
+    best_p90 = min(m.ttft_s["p90"] for m in rows.values())
+    best_p99 = min(m.ttft_s["p99"] for m in rows.values())
+    best_throughput = max(m.output_tokens_per_s for m in rows.values())
+    return {
+        name: Ratios(
+            _ratio(m.ttft_s["mean"], best_mean),
+            _ratio(m.ttft_s["p90"], best_p90),
+            _ratio(m.ttft_s["p99"], best_p99),
+            _ratio(m.output_tokens_per_s, best_throughput),
+        )
+        for name, m in rows.items()
+    }
+
+
+def _ratio(value: float, best: float) -> float:
+    if best > 0:
+        return value / best
+    return 1.0 if value == best else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether the default met the bar on a cell, and why not."""
+
+    passed: bool
+    reasons: tuple[str, ...]
+
+
+def default_verdict(result: CellResult, default: str = DEFAULT_POLICY) -> Verdict | None:
+    """The default's verdict on a cell (None when the default did not run there)."""
+    ratios = cell_ratios(result)
+    mine = ratios.get(default)
+    if mine is None:
+        return None
+    reasons = []
+    if mine.ttft_mean > PASS_RATIO:
+        reasons.append(f"TTFT mean {mine.ttft_mean:.2f}x the best")
+    if mine.ttft_p90 > PASS_RATIO:
+        reasons.append(f"TTFT p90 {mine.ttft_p90:.2f}x the best")
+    if mine.throughput < 1 / PASS_RATIO:
+        reasons.append(f"throughput {mine.throughput:.2f}x the best")
+    gie = result.metrics.get(GIE_DEFAULT)
+    ours = result.metrics[default]
+    if gie is not None:
+        if ours.ttft_s["mean"] > gie.ttft_s["mean"]:
+            reasons.append("TTFT mean worse than gie-default")
+        if ours.ttft_s["p90"] > gie.ttft_s["p90"]:
+            reasons.append("TTFT p90 worse than gie-default")
+        if ours.output_tokens_per_s < gie.output_tokens_per_s:
+            reasons.append("throughput below gie-default")
+    return Verdict(not reasons, tuple(reasons))
+
+
+@dataclass(slots=True)
+class PolicySummary:
+    """One policy over all cells: geometric-mean and worst ratios to the best."""
+
+    policy: str
+    cells: int
+    geo_ttft_mean: float
+    geo_ttft_p90: float
+    geo_ttft_p99: float
+    geo_throughput: float
+    worst_ttft_mean: tuple[float, str]
+    worst_ttft_p90: tuple[float, str]
+    worst_ttft_p99: tuple[float, str]
+    worst_throughput: tuple[float, str]
+
+
+def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
+    per_policy: dict[str, list[tuple[Cell, Ratios]]] = {}
+    for result in results:
+        for name, ratios in cell_ratios(result).items():
+            per_policy.setdefault(name, []).append((result.cell, ratios))
+    summaries = []
+    for name, items in per_policy.items():
+
+        def geo(values: list[float]) -> float:
+            finite = [v for v in values if v > 0 and math.isfinite(v)]
+            return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
+
+        def worst(pick: Callable[[Ratios], float], highest: bool) -> tuple[float, str]:
+            cell, ratios = (max if highest else min)(items, key=lambda item: pick(item[1]))
+            return pick(ratios), cell.label
+
+        summaries.append(
+            PolicySummary(
+                name,
+                len(items),
+                geo([r.ttft_mean for _, r in items]),
+                geo([r.ttft_p90 for _, r in items]),
+                geo([r.ttft_p99 for _, r in items]),
+                geo([r.throughput for _, r in items]),
+                worst(lambda r: r.ttft_mean, True),
+                worst(lambda r: r.ttft_p90, True),
+                worst(lambda r: r.ttft_p99, True),
+                worst(lambda r: r.throughput, False),
+            )
+        )
+    summaries.sort(key=lambda s: s.geo_ttft_mean)
+    return summaries
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _cell_table(result: CellResult) -> list[str]:
+    practical = result.floors["practical"]
+    lines = [
+        f"#### {result.cell.label} ({result.requests} requests, "
+        f"{result.offered_rate_per_s:.2f} req/s)",
+        "",
+        "| policy | TTFT s mean / p90 / p99 | x floor (mean / p90) | output tok/s | hit ratio "
+        "| ratio to best: mean / p90 / p99 / throughput |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    ratios = cell_ratios(result)
+    for name, m in result.metrics.items():
+        r = ratios[name]
+        to_floor = floor_ratios(m.ttft_s, practical)
+        lines.append(
+            f"| {name} | {m.ttft_s['mean']:.2f} / {m.ttft_s['p90']:.2f} / {m.ttft_s['p99']:.2f} "
+            f"| {to_floor['mean']:.2f} / {to_floor['p90']:.2f} | {m.output_tokens_per_s:,.0f} "
+            f"| {m.hit_ratio:.3f} | {r.ttft_mean:.2f} / {r.ttft_p90:.2f} / {r.ttft_p99:.2f} / "
+            f"{r.throughput:.2f} |"
+        )
+    lines.append(
+        f"| *floor, pooled LRU (hit {result.hit_bounds['pooled_lru']:.3f})* "
+        f"| {practical['mean']:.2f} / {practical['p90']:.2f} / {practical['p99']:.2f} | 1 / 1 "
+        f"| | {result.hit_bounds['pooled_lru']:.3f} | |"
+    )
+    strict = result.floors["strict"]
+    lines.append(
+        f"| *floor, unbounded (hit {result.hit_bounds['unbounded']:.3f})* "
+        f"| {strict['mean']:.2f} / {strict['p90']:.2f} / {strict['p99']:.2f} | | "
+        f"| {result.hit_bounds['unbounded']:.3f} | |"
+    )
+    return lines
+
+
+def markdown_report(
+    title: str, command: str, results: Sequence[CellResult], wall_s: float
+) -> str:
+    summaries = summarize_policies(results)
+    lines = [f"# {title}", "", f"Command: `{command}`", ""]
+    for split in (TUNING, HELD_OUT):
+        chosen = [r for r in results if FAMILIES[r.cell.family].split == split]
+        if not chosen:
+            continue
+        families = sorted({r.cell.family for r in chosen})
+        lines += [f"Families ({split}): {', '.join(families)}.", ""]
+    lines += [
+        "## Summary: ratio to the best policy of each cell",
+        "",
+        "Geometric mean over cells, and the worst cell (TTFT: higher is worse; throughput: "
+        "lower is worse).",
+        "",
+        "| policy | cells | TTFT mean | TTFT p90 | TTFT p99 | throughput | worst TTFT mean "
+        "| worst TTFT p90 | worst throughput |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.policy} | {s.cells} | {s.geo_ttft_mean:.3f} | {s.geo_ttft_p90:.3f} "
+            f"| {s.geo_ttft_p99:.3f} | {s.geo_throughput:.3f} "
+            f"| {s.worst_ttft_mean[0]:.2f} ({s.worst_ttft_mean[1]}) "
+            f"| {s.worst_ttft_p90[0]:.2f} ({s.worst_ttft_p90[1]}) "
+            f"| {s.worst_throughput[0]:.2f} ({s.worst_throughput[1]}) |"
+        )
+    verdicts = [(r, default_verdict(r)) for r in results]
+    judged = [(r, v) for r, v in verdicts if v is not None]
+    if judged:
+        failed = [(r, v) for r, v in judged if not v.passed]
+        lines += [
+            "",
+            f"## The default (`{DEFAULT_POLICY}`): {len(judged) - len(failed)} of {len(judged)} "
+            "cells pass",
+            "",
+            "A cell passes when the default's TTFT mean and p90 are within 5% of the best "
+            "policy's (or better), its output throughput within 5%, and none of the three is "
+            "worse than gie-default's.",
+            "",
+        ]
+        if failed:
+            lines += ["| cell | split | why |", "|---|---|---|"]
+            for r, v in failed:
+                lines.append(
+                    f"| {r.cell.label} | {FAMILIES[r.cell.family].split} | {'; '.join(v.reasons)} |"
+                )
+    lines += ["", "## Cells", ""]
+    for result in results:
+        lines += [*_cell_table(result), ""]
+    lines.append(f"Wall time of the whole run: {wall_s:.1f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def results_json(command: str, results: Sequence[CellResult], wall_s: float) -> dict[str, Any]:
+    return {
+        "command": command,
+        "wall_s": wall_s,
+        "families": {
+            name: {"spec": f.spec, "split": f.split, "long_prompts": f.long_prompts}
+            for name, f in FAMILIES.items()
+        },
+        "summary": [s.__dict__ if hasattr(s, "__dict__") else _slots(s) for s in summarize_policies(results)],
+        "cells": [
+            {
+                "family": r.cell.family,
+                "load": r.cell.load,
+                "cluster": r.cell.cluster,
+                "timing": r.cell.timing,
+                "requests": r.requests,
+                "rate_per_s": r.offered_rate_per_s,
+                "floors": r.floors,
+                "hit_bounds": r.hit_bounds,
+                "default_verdict": _verdict_json(default_verdict(r)),
+                "policies": {name: m.to_json() for name, m in r.metrics.items()},
+                "ratios": {name: _slots(x) for name, x in cell_ratios(r).items()},
+            }
+            for r in results
+        ],
+    }
+
+
+def _slots(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def _verdict_json(verdict: Verdict | None) -> dict[str, Any] | None:
+    if verdict is None:
+        return None
+    return {"passed": verdict.passed, "reasons": list(verdict.reasons)}
