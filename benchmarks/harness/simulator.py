@@ -14,7 +14,9 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
 
 - ``counter`` counts an endpoint's steps; a decoding sequence finishes when the counter
   reaches its ``finish_counter``, so advancing k steps is O(1) and finding the next finish is a
-  heap peek. Prefill steps (the ones that cost compute) are simulated one by one.
+  heap peek. Each step of a stretch is longer than the last by the KV read of one more token per
+  sequence, so a stretch lasts an arithmetic sum. Prefill steps are simulated one by one, each
+  chunk priced at its context position.
 - Step duration, admission (FIFO; all blocks of prompt and output reserved up front; the last
   prompt token always recomputed), chunked prefill within ``max_num_batched_tokens``: the same
   rules as :mod:`kv_picker_bench.sim.engine`, with its :class:`~kv_picker_bench.sim.engine.TimingModel`
