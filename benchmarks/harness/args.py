@@ -42,6 +42,12 @@ from kv_picker_bench.harness.traces import (
     slice_trace,
 )
 from kv_picker_bench.sim.engine import HARDWARE_CLASSES
+from kv_picker_bench.sim.timing import (
+    DEFAULT_TIMING,
+    TIMING_PROFILES,
+    TimingModel,
+    describe_profiles,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 RESULTS_DIR = Path("results")
@@ -119,11 +125,21 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         f"{'|'.join(sorted(HARDWARE_CLASSES))}",
     )
     group.add_argument(
+        "--timing",
+        choices=tuple(TIMING_PROFILES),
+        default=DEFAULT_TIMING.name,
+        metavar="NAME",
+        help=f"timing profile of an H100-class endpoint, scaled by hardware class (default "
+        f"{DEFAULT_TIMING.name}): {describe_profiles()}",
+    )
+    group.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=32_768,
+        default=None,
         help="KV capacity of an H100-class endpoint in blocks, scaled by hardware class "
-        "(default 32768 = 524,288 tokens of 16)",
+        "(default: the timing profile's, e.g. "
+        f"{DEFAULT_TIMING.kv_capacity_tokens:,} tokens for {DEFAULT_TIMING.name}, divided by "
+        "--block-size)",
     )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="per endpoint (64)")
@@ -165,8 +181,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-bytes-per-token",
         type=int,
-        default=131_072,
-        help="KV bytes per token, for transfer time and volume (131072: an 8B model in fp16)",
+        default=None,
+        help="KV bytes per token, for transfer time and volume (default: the timing profile's, "
+        f"e.g. {DEFAULT_TIMING.kv_bytes_per_token:,} for {DEFAULT_TIMING.name})",
     )
 
 
@@ -332,6 +349,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
     """The simulated cluster the cluster flags describe.
 
     ``--endpoint`` items (``ROLE[:HW[:BLOCKS]][xCOUNT]``) take precedence over ``--endpoints``.
+    The ``--timing`` profile also gives the KV capacity and bytes per token not set explicitly.
 
     Raises:
         UsageError: If an endpoint item, a duration or a size is invalid.
@@ -356,18 +374,27 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
         if args.endpoints < 1:
             raise UsageError("--endpoints must be >= 1")
         endpoints = [EndpointSetup()] * args.endpoints
+    timing: TimingModel = TIMING_PROFILES[args.timing]
+    num_gpu_blocks: int | None = args.num_gpu_blocks
+    if num_gpu_blocks is None:
+        # A bad --block-size is reported by ClusterConfig, not as a division by zero here.
+        num_gpu_blocks = timing.kv_capacity_tokens // max(args.block_size, 1)
+    kv_bytes_per_token: int | None = args.kv_bytes_per_token
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = timing.kv_bytes_per_token
     try:
         return ClusterConfig(
             endpoints=tuple(endpoints),
             block_size=args.block_size,
-            num_gpu_blocks=args.num_gpu_blocks,
+            num_gpu_blocks=num_gpu_blocks,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             scrape_interval_s=parse_duration_s(args.scrape_interval, "--scrape-interval"),
             kv_event_delay_s=_duration_or_zero(args.kv_event_delay, "--kv-event-delay"),
             transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
-            kv_bytes_per_token=args.kv_bytes_per_token,
+            kv_bytes_per_token=kv_bytes_per_token,
+            timing=timing,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

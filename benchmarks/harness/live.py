@@ -357,6 +357,10 @@ def run_live(argv: Sequence[str], command: str) -> int:
         extra = ("--num-gpu-blocks", str(config.capacity_blocks(i)))
         sims.append(SimSpec(role=setup.role, hardware_class=setup.hardware, extra_args=extra))
     sim_args = (
+        "--timing",
+        config.timing.name,
+        "--kv-bytes-per-token",
+        str(config.kv_bytes_per_token),
         "--block-size",
         str(config.block_size),
         "--max-num-seqs",

@@ -252,10 +252,16 @@ def cluster_json(config: ClusterConfig) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "max_model_len": config.max_model_len,
+        # The profile's name says which sourced figures produced the results; its numbers are
+        # kept as well, so a result stays readable if a profile is later re-derived. Units keep
+        # them clear of write_json's rounding to six decimals.
         "timing": {
-            "prefill_tokens_per_s": config.timing.prefill_tokens_per_s,
-            "step_base_s": config.timing.step_base_s,
-            "step_per_seq_s": config.timing.step_per_seq_s,
+            "profile": config.timing.name,
+            "step_base_ms": config.timing.step_base_s * 1e3,
+            "step_per_seq_us": config.timing.step_per_seq_s * 1e6,
+            "prefill_us_per_token": config.timing.prefill_s_per_token * 1e6,
+            "attention_ns_per_token_pair": config.timing.attention_s_per_token_pair * 1e9,
+            "kv_read_ns_per_token": config.timing.kv_read_s_per_token * 1e9,
         },
         "scrape_interval_s": config.scrape_interval_s,
         "kv_event_delay_s": config.kv_event_delay_s,

@@ -14,7 +14,9 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
 
 - ``counter`` counts an endpoint's steps; a decoding sequence finishes when the counter
   reaches its ``finish_counter``, so advancing k steps is O(1) and finding the next finish is a
-  heap peek. Prefill steps (the ones that cost compute) are simulated one by one.
+  heap peek. Each step of a stretch is longer than the last by the KV read of one more token per
+  sequence, so a stretch lasts an arithmetic sum. Prefill steps are simulated one by one, each
+  chunk priced at its context position.
 - Step duration, admission (FIFO; all blocks of prompt and output reserved up front; the last
   prompt token always recomputed), chunked prefill within ``max_num_batched_tokens``: the same
   rules as :mod:`kv_picker_bench.sim.engine`, with its :class:`~kv_picker_bench.sim.engine.TimingModel`
@@ -69,6 +71,7 @@ from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from kv_picker_bench.harness.traces import Trace, TraceRequest, prompt_text
 from kv_picker_bench.sim.cache import PrefixCache, StoredBlock
 from kv_picker_bench.sim.engine import HardwareClass, TimingModel, hardware_class
+from kv_picker_bench.sim.timing import DEFAULT_TIMING
 
 BLOCK_KEYS_STATE = "harness.block_keys"
 """``LLMRequest.state`` key: the request's engine block keys (what a tokenizer would give).
@@ -111,7 +114,8 @@ class ClusterConfig:
         max_num_seqs: Most requests running at once per endpoint.
         max_num_batched_tokens: Token budget of one engine step (chunked prefill).
         max_model_len: Longest prompt plus output; longer requests get an error.
-        timing: Base timing figures (H100), scaled per hardware class.
+        timing: Timing profile of an H100-class endpoint (see :mod:`kv_picker_bench.sim.timing`),
+            scaled per hardware class.
         scrape_interval_s: Period of the simulated metrics scrape.
         kv_event_delay_s: Delay between a cache change and its KV event reaching plugins.
         transfer_latency_s: Fixed cost of one P/D KV transfer.
@@ -131,7 +135,7 @@ class ClusterConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131_072
-    timing: TimingModel = field(default_factory=TimingModel)
+    timing: TimingModel = DEFAULT_TIMING
     scrape_interval_s: float = 0.05
     kv_event_delay_s: float = 0.0
     transfer_latency_s: float = 0.001
@@ -303,6 +307,7 @@ class _Engine:
     __slots__ = (
         "cache",
         "counter",
+        "decode_context",
         "decoding",
         "event_s",
         "hardware",
@@ -317,6 +322,7 @@ class _Engine:
         "stats",
         "stretch_c0",
         "stretch_d",
+        "stretch_dd",
         "stretch_steps",
         "stretch_t0",
         "version",
@@ -334,6 +340,8 @@ class _Engine:
         self.waiting: deque[_Seq] = deque()
         self.prefilling: deque[_Seq] = deque()
         self.decoding: list[tuple[int, int, _Seq]] = []
+        # Sum over decoding of (context - counter): the contexts at counter c sum to this + n*c.
+        self.decode_context = 0
         self.counter = 0
         self.num_running = 0
         self.mode = _IDLE
@@ -342,6 +350,7 @@ class _Engine:
         self.stretch_t0 = 0.0
         self.stretch_c0 = 0
         self.stretch_d = 0.0
+        self.stretch_dd = 0.0
         self.stretch_steps = 0
         self.event_s = math.inf
         self.version = 0
@@ -430,6 +439,31 @@ def output_block_keys(request: TraceRequest, block_tokens: int, block_size: int)
     prompt = array("q", request.hash_ids).tobytes() + request.input_tokens.to_bytes(8, "little")
     base = -((xxhash.xxh3_64_intdigest(prompt) >> 24) << 24) - 1
     return [base - i for i in range(first, num_full)]
+
+
+def _context_offset(seq: _Seq) -> int:
+    """A decoding sequence's context (prompt plus outputs so far) at step counter 0.
+
+    At counter ``c`` it has generated ``output_tokens - (finish_counter - c)`` tokens, so its
+    context is this offset plus ``c``.
+    """
+    return seq.prompt_tokens + seq.output_tokens - seq.finish_counter
+
+
+def _stretch_s(step_s: float, growth_s: float, steps: int) -> float:
+    """Duration of ``steps`` decode steps, the first ``step_s`` long, each ``growth_s`` longer."""
+    return steps * step_s + growth_s * steps * (steps - 1) / 2
+
+
+def _stretch_steps_until(step_s: float, growth_s: float, elapsed_s: float) -> int:
+    """The fewest steps of a stretch (see :func:`_stretch_s`) that last at least ``elapsed_s``."""
+    if growth_s <= 0:
+        return max(0, math.ceil(elapsed_s / step_s - 1e-9))
+    # Positive root of growth/2 k^2 + (step - growth/2) k - elapsed = 0, in the form that does
+    # not cancel when growth is tiny.
+    linear = step_s - growth_s / 2
+    root = 2 * elapsed_s / (linear + math.sqrt(linear * linear + 2 * growth_s * elapsed_s))
+    return max(0, math.ceil(root - 1e-9))
 
 
 class ClusterSimulator:
@@ -784,12 +818,14 @@ class ClusterSimulator:
         if engine.mode == _IDLE:
             self._boundary(engine, now_s)
         elif engine.mode == _STRETCH and may_admit:
-            d = engine.stretch_d
-            steps = max(0, math.ceil((now_s - engine.stretch_t0) / d - 1e-9))
+            d, dd = engine.stretch_d, engine.stretch_dd
+            steps = _stretch_steps_until(d, dd, now_s - engine.stretch_t0)
             if steps < engine.stretch_steps:
-                engine.stats.busy_s -= (engine.stretch_steps - steps) * d
+                engine.stats.busy_s -= _stretch_s(d, dd, engine.stretch_steps) - _stretch_s(
+                    d, dd, steps
+                )
                 engine.stretch_steps = steps
-                self._schedule_engine(engine, engine.stretch_t0 + steps * d)
+                self._schedule_engine(engine, engine.stretch_t0 + _stretch_s(d, dd, steps))
 
     def _on_engine_event(self, engine: _Engine, now_s: float) -> None:
         if engine.mode == _STEP:
@@ -824,6 +860,7 @@ class ClusterSimulator:
                 seq.finish_counter = counter + seq.output_tokens - 1
                 order = 2 * seq.outcome.index + (seq.leg == 2)  # deterministic tie order
                 heapq.heappush(engine.decoding, (seq.finish_counter, order, seq))
+                engine.decode_context += _context_offset(seq)
         engine.plan = []
         self._dirty.add(engine.id)
 
@@ -833,6 +870,7 @@ class ClusterSimulator:
         counter = engine.counter
         while decoding and decoding[0][0] <= counter:
             _, _, seq = heapq.heappop(decoding)
+            engine.decode_context -= _context_offset(seq)
             self._finish(engine, seq, now_s)
         budget = engine.max_batched - len(decoding)
         plan: list[tuple[_Seq, int]] = []
@@ -861,23 +899,34 @@ class ClusterSimulator:
             budget -= chunk if chunk else 1
         hardware = engine.hardware
         timing = self._timing
+        decode_context = engine.decode_context + len(decoding) * counter
         if plan:
             engine.mode = _STEP
             engine.plan = plan
             engine.plan_prefill_tokens = prefill_tokens
-            duration_s = timing.step_duration_s(hardware, prefill_tokens, len(decoding) + len(plan))
+            # A chunk is priced at its context position (the tokens computed before it); a
+            # remote-prefilled sequence's first step (chunk 0) reads its prompt's KV like a decode.
+            chunks = [(chunk, seq.computed) for seq, chunk in plan if chunk]
+            decode_context += sum(seq.computed for seq, chunk in plan if not chunk)
+            duration_s = timing.step_duration_s(
+                hardware, len(decoding) + len(plan), chunks, decode_context
+            )
             engine.stats.busy_s += duration_s
             self._schedule_engine(engine, now_s + duration_s)
         elif decoding:
             engine.mode = _STRETCH
-            step_s = timing.step_duration_s(hardware, 0, len(decoding))
+            num_decoding = len(decoding)
+            step_s = timing.step_duration_s(hardware, num_decoding, (), decode_context)
             steps = decoding[0][0] - counter
             engine.stretch_t0 = now_s
             engine.stretch_c0 = counter
             engine.stretch_d = step_s
+            # Every step, each decoding sequence's context grows by one token.
+            engine.stretch_dd = timing.kv_read_s(hardware, num_decoding)
             engine.stretch_steps = steps
-            engine.stats.busy_s += steps * step_s  # corrected if the stretch is cut short
-            self._schedule_engine(engine, now_s + steps * step_s)
+            stretch_s = _stretch_s(step_s, engine.stretch_dd, steps)
+            engine.stats.busy_s += stretch_s  # corrected if the stretch is cut short
+            self._schedule_engine(engine, now_s + stretch_s)
         else:
             engine.mode = _IDLE
             engine.event_s = math.inf

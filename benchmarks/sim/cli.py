@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from kv_picker_bench.sim.endpoint import ROLES, SimEndpoint, SimEndpointConfig
 from kv_picker_bench.sim.events import ENCODINGS
 from kv_picker_bench.sim.openai_api import ENDPOINT_HEADER
+from kv_picker_bench.sim.timing import DEFAULT_TIMING, TIMING_PROFILES, describe_profiles
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware-class",
         default="H100",
         help="hardware class: H100, H200, A100, L4 or default (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timing",
+        choices=tuple(TIMING_PROFILES),
+        default=DEFAULT_TIMING.name,
+        metavar="NAME",
+        help="timing profile of the served model on an H100, scaled by the hardware class "
+        f"(default %(default)s): {describe_profiles()}",
     )
     parser.add_argument(
         "--time-scale",
@@ -141,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-bytes-per-token",
         type=int,
-        default=131_072,
-        help="KV bytes per token of the served model (default %(default)s: Llama-3.1-8B, BF16)",
+        default=None,
+        help="KV bytes per token of the served model (default: the timing profile's, e.g. "
+        f"{DEFAULT_TIMING.kv_bytes_per_token:,} for {DEFAULT_TIMING.name})",
     )
     parser.add_argument(
         "--log-level",
@@ -159,12 +169,16 @@ def config_from_args(args: argparse.Namespace) -> SimEndpointConfig:
     Raises:
         ValueError: If a value is invalid.
     """
+    kv_bytes_per_token = args.kv_bytes_per_token
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = TIMING_PROFILES[args.timing].kv_bytes_per_token
     return SimEndpointConfig(
         host=args.host,
         port=args.port,
         model=args.model,
         role=args.role,
         hardware_class=args.hardware_class,
+        timing=args.timing,
         time_scale=args.time_scale,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -182,7 +196,7 @@ def config_from_args(args: argparse.Namespace) -> SimEndpointConfig:
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=args.kv_events_topic,
         kv_transfer_gbps=args.kv_transfer_gbps,
-        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_bytes_per_token=kv_bytes_per_token,
     )
 
 

@@ -50,6 +50,7 @@ from kv_picker_bench.sim.engine import (
 from kv_picker_bench.sim.events import ENCODINGS, KVEventPublisher, default_topic
 from kv_picker_bench.sim.metrics import SimMetrics
 from kv_picker_bench.sim.openai_api import GenerateParams, Generation, OpenAIApi
+from kv_picker_bench.sim.timing import DEFAULT_TIMING, timing_profile
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class SimEndpointConfig:
             ``x-prefiller-host-port`` first sends its prefill leg there, then decodes with the
             transferred KV, as llm-d's routing sidecar does.
         hardware_class: Name of a built-in hardware class.
+        timing: Name of a timing profile (:data:`kv_picker_bench.sim.timing.TIMING_PROFILES`).
         time_scale: Wall seconds per model second (> 0); 0.01 runs 100 times faster.
         block_size: Tokens per KV block.
         num_gpu_blocks: KV capacity in blocks; ``None`` derives it from the hardware class.
@@ -100,6 +102,7 @@ class SimEndpointConfig:
     model: str = "sim-model"
     role: str = "both"
     hardware_class: str = "H100"
+    timing: str = DEFAULT_TIMING.name
     time_scale: float = 1.0
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -132,6 +135,7 @@ class SimEndpointConfig:
         if self.model in self.lora_modules:
             raise ValueError(f"LoRA name {self.model!r} equals the served model name")
         hardware_class(self.hardware_class)
+        timing_profile(self.timing)
         if not (self.kv_transfer_gbps > 0 and self.kv_bytes_per_token > 0):
             raise ValueError("kv_transfer_gbps and kv_bytes_per_token must be positive")
         if self.kv_events_encoding not in ENCODINGS:
@@ -155,6 +159,7 @@ class SimEndpointConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             hardware=hardware_class(self.hardware_class),
+            timing=timing_profile(self.timing),
             hash_seed=self.hash_seed,
             seed=self.seed,
         )

@@ -17,13 +17,12 @@ Scheduling follows vLLM v1 at the level a router can observe:
   blocks do not fit; one that could never fit, even in an empty cache, is rejected up front.
 - Like vLLM, at most ``prompt_len - 1`` tokens are served from the cache: the last prompt
   token is always recomputed to produce the first output token.
-- Step duration (model seconds)::
-
-      (step_base_s + step_per_seq_s * num_scheduled_seqs) / decode_speed
-      + num_prefill_tokens / (prefill_tokens_per_s * prefill_speed)
-
-  so prefill time grows with the *uncached* prompt tokens only and a decode step grows with
-  the batch size. ``decode_speed`` and ``prefill_speed`` come from the hardware class.
+- Step duration: :class:`~kv_picker_bench.sim.timing.TimingModel` prices each prefill chunk
+  by its new tokens and by the context they attend to (the tokens already computed or cached
+  before the chunk), and each decoding sequence by the KV it reads (its prompt plus the outputs
+  so far), on top of a fixed cost per step, scaled by the hardware class's ``prefill_speed`` and
+  ``decode_speed``. A named profile (``llama-3.1-8b-h100`` by default) gives the figures, so
+  prefill time grows with the *uncached* prompt tokens and faster than linearly with the context.
 - Output tokens are pseudo-random but deterministic (seeded by the prompt and ``seed``), and
   every request generates exactly ``max_tokens`` tokens (finish reason ``length``).
 - Blocks become cached as their KV is computed, as in vLLM: prompt blocks as prefill chunks
@@ -47,6 +46,8 @@ from kv_picker.state.hardware import BUILTIN_HARDWARE_CLASSES
 from kv_picker.state.hardware import HardwareClass as HardwareClass  # re-exported
 from kv_picker_bench.sim.cache import BlockHasher, CacheEventListener, PrefixCache, StoredBlock
 from kv_picker_bench.sim.cache import _digest as _block_digest  # keys must equal BlockHasher's
+from kv_picker_bench.sim.timing import DEFAULT_TIMING
+from kv_picker_bench.sim.timing import TimingModel as TimingModel  # re-exported
 from kv_picker_bench.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
 
 DEFAULT_NUM_GPU_BLOCKS = 2048
@@ -82,42 +83,6 @@ def hardware_class(name: str) -> HardwareClass:
 
 
 @dataclass(frozen=True, slots=True)
-class TimingModel:
-    """Base figures of the reference hardware (H100, one model), in model seconds.
-
-    Attributes:
-        prefill_tokens_per_s: Prefill throughput.
-        step_base_s: Forward-pass time of a step with one sequence.
-        step_per_seq_s: Extra step time per further scheduled sequence.
-    """
-
-    prefill_tokens_per_s: float = 10_000.0
-    step_base_s: float = 0.020
-    step_per_seq_s: float = 0.0005
-
-    def step_duration_s(
-        self, hardware: HardwareClass, num_prefill_tokens: int, num_seqs: int
-    ) -> float:
-        """Duration of one engine step.
-
-        Args:
-            hardware: The hardware class running it.
-            num_prefill_tokens: Prompt tokens computed in the step (cache hits excluded).
-            num_seqs: Sequences scheduled in the step (prefill chunks and decodes).
-
-        Returns:
-            Model seconds; 0.0 for an empty step.
-        """
-        if num_seqs <= 0:
-            return 0.0
-        forward_s = (self.step_base_s + self.step_per_seq_s * (num_seqs - 1)) / (
-            hardware.decode_speed
-        )
-        prefill_s = num_prefill_tokens / (self.prefill_tokens_per_s * hardware.prefill_speed)
-        return forward_s + prefill_s
-
-
-@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Static configuration of one simulated engine.
 
@@ -129,7 +94,7 @@ class EngineConfig:
         max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
         max_model_len: Longest prompt plus output, in tokens.
         hardware: Hardware class.
-        timing: Base timing figures.
+        timing: Timing profile of the reference hardware (H100), scaled by ``hardware``.
         hash_seed: ``PYTHONHASHSEED`` string of the emulated pod (root of the block hashes).
         seed: Seed of the generated output tokens.
     """
@@ -140,7 +105,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32_768
     hardware: HardwareClass = H100
-    timing: TimingModel = TimingModel()
+    timing: TimingModel = DEFAULT_TIMING
     hash_seed: str = "0"
     seed: int = 0
 
@@ -368,13 +333,17 @@ class SimEngine:
         waiting = {r.lora_name for r in self._waiting if r.lora_name}
         return running, waiting
 
-    def prefill_duration_s(self, num_uncached_tokens: int) -> float:
-        """Model seconds an otherwise idle engine needs to prefill a prompt.
+    def prefill_duration_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Model seconds an otherwise idle engine needs from a request's arrival to its first token.
 
         Args:
-            num_uncached_tokens: Prompt tokens not served from the cache.
+            num_prompt_tokens: Prompt length.
+            num_cached_tokens: Leading prompt tokens served from the cache.
         """
-        return self.config.timing.step_duration_s(self.config.hardware, num_uncached_tokens, 1)
+        config = self.config
+        return config.timing.isolated_prefill_s(
+            config.hardware, num_prompt_tokens, num_cached_tokens, config.max_num_batched_tokens
+        )
 
     # -------------------------------------------------------------------------- requests
 
@@ -523,8 +492,16 @@ class SimEngine:
         if not scheduled:
             return StepResult(now_s, 0.0, 0, 0, _EMPTY_TOKENS, _EMPTY_FINISHED)
 
+        # Each chunk is priced at its context position: the tokens computed before it.
+        prefill_chunks: list[tuple[int, int]] = []
+        decode_context_tokens = 0
+        for request, chunk in scheduled:
+            if chunk > 0:
+                prefill_chunks.append((chunk, request.num_computed_tokens))
+            else:
+                decode_context_tokens += len(request.prompt_token_ids) + request.num_output_tokens
         duration_s = config.timing.step_duration_s(
-            config.hardware, num_prefill_tokens, len(scheduled)
+            config.hardware, len(scheduled), prefill_chunks, decode_context_tokens
         )
         end_s = now_s + duration_s
         tokens: list[TokenEvent] = []

@@ -25,7 +25,7 @@ from kv_picker_bench.harness.simulator import (
     block_keys,
 )
 from kv_picker_bench.harness.traces import ChatSpec, prompt_text, slice_trace
-from kv_picker_bench.sim.engine import EngineConfig, SimEngine
+from kv_picker_bench.sim.engine import EngineConfig, SimEngine, hardware_class
 from kv_picker_bench.sim.tokenizer import encode
 from tests.benchmarks.harness.conftest import make_trace, simulate, small_cluster, small_trace
 
@@ -228,12 +228,15 @@ def test_prefill_decode_disaggregation() -> None:
     transferred = [o.transferred_tokens for o in result.outcomes]
     assert all(0 < t <= o.prompt_tokens for t, o in zip(transferred, result.outcomes, strict=True))
     # The first request (nothing cached anywhere): prefill, then the whole prompt's KV at
-    # 100 kB/token over 1 GB/s plus 1 ms, then one decode step for the first token.
+    # 100 kB/token over 1 GB/s plus 1 ms, then one step reading that KV for the first token.
     aggregated = simulate(trace, small_cluster(4, num_gpu_blocks=400), "round-robin")
     first = result.outcomes[0]
     transfer_s = 0.001 + first.prompt_tokens * 100_000 / 1e9
+    first_step_s = config.timing.step_duration_s(
+        hardware_class("H100"), 1, decode_context_tokens=first.prompt_tokens
+    )
     assert first.transferred_tokens == first.prompt_tokens
-    assert first.ttft_s == pytest.approx(aggregated.outcomes[0].ttft_s + transfer_s + 0.020)
+    assert first.ttft_s == pytest.approx(aggregated.outcomes[0].ttft_s + transfer_s + first_step_s)
     assert result.endpoints[0].output_tokens == 0  # prefill endpoints produce no output
     threshold = pd_variant(Policy("rr", {"plugins": [{"type": "round-robin-picker"}]}), 10_000)
     result = simulate(trace, config, threshold)

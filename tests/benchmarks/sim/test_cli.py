@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kv_picker_bench.sim import ENDPOINT_HEADER, build_parser, main
+from kv_picker_bench.sim import (
+    ENDPOINT_HEADER,
+    SimEndpointConfig,
+    build_parser,
+    config_from_args,
+    main,
+)
+from kv_picker_bench.sim.timing import DEFAULT_TIMING, LLAMA_70B_H100_TP4, TIMING_PROFILES
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -80,6 +87,27 @@ def test_parser_defaults() -> None:
     assert args.num_gpu_blocks is None
     assert args.max_num_seqs == 64
     assert args.seed == 0
+    config = config_from_args(args)
+    assert config.timing == DEFAULT_TIMING.name
+    assert config.engine_config().timing is DEFAULT_TIMING
+    assert config.kv_bytes_per_token == DEFAULT_TIMING.kv_bytes_per_token
+
+
+def test_timing_flag_picks_the_profile_and_its_kv_size(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["--port", "0", "--timing", LLAMA_70B_H100_TP4.name])
+    config = config_from_args(args)
+    assert config.engine_config().timing is LLAMA_70B_H100_TP4
+    assert config.kv_bytes_per_token == 327_680
+    args = build_parser().parse_args(
+        ["--port", "0", "--timing", LLAMA_70B_H100_TP4.name, "--kv-bytes-per-token", "5"]
+    )
+    assert config_from_args(args).kv_bytes_per_token == 5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in TIMING_PROFILES)
+    with pytest.raises(ValueError, match="unknown timing profile"):
+        SimEndpointConfig(timing="llama-3.1-8b-tpu")
 
 
 @pytest.mark.parametrize(
@@ -89,6 +117,7 @@ def test_parser_defaults() -> None:
         ["--port", "1", "--role", "router"],
         ["--port", "1", "--time-scale", "0"],
         ["--port", "1", "--hardware-class", "TPU"],
+        ["--port", "1", "--timing", "llama-3.1-8b-tpu"],
         ["--port", "1", "--block-size", "-4"],
         ["--port", "99999"],
     ],

@@ -17,10 +17,10 @@ from kv_picker_bench.sim.engine import (
     FinishedRequest,
     RequestRejected,
     SimEngine,
-    TimingModel,
     TokenEvent,
     hardware_class,
 )
+from kv_picker_bench.sim.timing import LEGACY
 
 
 @dataclass
@@ -68,9 +68,10 @@ def test_repeated_prompt_has_lower_ttft_and_counts_hits() -> None:
     assert second.num_cached_tokens == 992
     assert first.ttft_s is not None and second.ttft_s is not None
     assert second.ttft_s < first.ttft_s / 3
-    timing = engine.config.timing
-    assert first.ttft_s == pytest.approx(timing.step_duration_s(engine.config.hardware, 1000, 1))
-    assert second.ttft_s == pytest.approx(timing.step_duration_s(engine.config.hardware, 8, 1))
+    # One step each: the whole prompt, then the 8 tokens after the 992 cached ones.
+    timing, h100 = engine.config.timing, engine.config.hardware
+    assert first.ttft_s == pytest.approx(timing.step_duration_s(h100, 1, [(1000, 0)]))
+    assert second.ttft_s == pytest.approx(timing.step_duration_s(h100, 1, [(8, 992)]))
     assert engine.cache.queries_tokens == 2000
     assert engine.cache.hits_tokens == 992
     assert engine.stats.prompt_tokens == 2000
@@ -98,11 +99,11 @@ def test_prefill_time_grows_with_uncached_tokens() -> None:
 
 
 def test_decode_step_grows_with_batch_size() -> None:
-    timing = TimingModel()
+    timing = LEGACY
     h100 = HARDWARE_CLASSES["H100"]
-    assert timing.step_duration_s(h100, 0, 1) == pytest.approx(0.020)
-    assert timing.step_duration_s(h100, 0, 33) == pytest.approx(0.036)
-    assert timing.step_duration_s(h100, 0, 0) == 0.0
+    assert timing.step_duration_s(h100, 1) == pytest.approx(0.020)
+    assert timing.step_duration_s(h100, 33) == pytest.approx(0.036)
+    assert timing.step_duration_s(h100, 0) == 0.0
 
     def mean_inter_token_s(batch: int) -> float:
         engine = SimEngine(EngineConfig())

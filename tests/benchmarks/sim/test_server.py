@@ -534,11 +534,16 @@ async def test_time_scale_maps_model_time_to_wall_time(
     wall_s = loop.time() - started
     assert status == 200
     assert body["usage"]["prompt_tokens"] == 2
-    # Model time: one prefill step (20 ms + 2 tokens at 10k tokens/s), then 19 decode steps.
-    expected_model_s = 0.020 + 2 / 10_000 + 19 * 0.020
+    # Model time: one prefill step of the 2 prompt tokens, then 19 decode steps, each reading
+    # the KV of the prompt and the outputs so far.
+    timing, hardware = endpoint.engine.config.timing, endpoint.engine.config.hardware
+    ttft_s = timing.step_duration_s(hardware, 1, [(2, 0)])
+    expected_model_s = ttft_s + sum(
+        timing.step_duration_s(hardware, 1, decode_context_tokens=2 + k) for k in range(1, 20)
+    )
     metrics = await scrape(client, endpoint)
     # Metrics report model time, exactly, whatever the event loop's jitter.
     assert metrics["vllm:e2e_request_latency_seconds_sum"] == pytest.approx(expected_model_s)
-    assert metrics["vllm:time_to_first_token_seconds_sum"] == pytest.approx(0.0202)
+    assert metrics["vllm:time_to_first_token_seconds_sum"] == pytest.approx(ttft_s)
     # Wall time is model time times the scale, never less.
     assert wall_s >= expected_model_s * time_scale * 0.95
