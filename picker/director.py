@@ -31,7 +31,7 @@ from kv_picker.metrics import PickerMetrics
 from kv_picker.request import LLMRequest
 from kv_picker.scheduling.framework import SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.scheduling.signals import uncached_prompt_tokens
+from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
@@ -58,6 +58,7 @@ class RoutedRequest:
         "_director",
         "_finished",
         "_prefill",
+        "_prompt_tokens",
         "dry_run",
         "endpoint",
         "outcome",
@@ -83,7 +84,8 @@ class RoutedRequest:
         self.result = result
         self.outcome = outcome
         self.dry_run = dry_run
-        self._prefill: tuple[Endpoint, float] | None = None
+        self._prefill: tuple[Endpoint, float, float] | None = None
+        self._prompt_tokens = 0.0
         self._finished = dry_run
 
     def first_byte(self) -> None:
@@ -99,7 +101,7 @@ class RoutedRequest:
         if self._finished:
             return
         self._finished = True
-        self._director._release(self.endpoint)
+        self._director._release(self.endpoint, self._prompt_tokens)
 
     @property
     def finished(self) -> bool:
@@ -244,12 +246,17 @@ class Director:
         handle = RoutedRequest(self, request, endpoint, prefill_endpoint, result, outcome, dry_run)
         if dry_run:
             return handle
-        # Queued prefill work, counted where the prompt will be computed.
+        # Queued prefill work, counted where the prompt will be computed: its uncached tokens
+        # and their attention work (n tokens after c cached ones attend to c + n/2 on average).
         target = prefill_endpoint or endpoint
-        tokens = uncached_prompt_tokens(request, target.id)
-        self.store.add_prefill(target.id, tokens)
-        handle._prefill = (target, tokens)
-        self._take(endpoint, request.model, outcome)
+        total = prompt_tokens(request)
+        cached = min(cached_tokens(request, target.id), total)
+        tokens = total - cached
+        pairs = tokens * (cached + tokens / 2)
+        self.store.add_prefill(target.id, tokens, pairs)
+        handle._prefill = (target, tokens, pairs)
+        handle._prompt_tokens = total
+        self._take(endpoint, request.model, outcome, total)
         for profile, profile_result in result.profile_results.items():
             if profile_result.targets:
                 self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
@@ -289,20 +296,25 @@ class Director:
 
     # -- accounting (through RoutedRequest) -------------------------------------------------
 
-    def _take(self, endpoint: Endpoint, model: str, outcome: str) -> None:
+    def _take(self, endpoint: Endpoint, model: str, outcome: str, tokens: float = 0.0) -> None:
         self.store.in_flight[endpoint.id] += 1
+        self.store.in_flight_tokens[endpoint.id] += tokens
         self.metrics.running.inc()
         self.metrics.requests.labels(self.metrics.model_label(model), outcome).inc()
 
-    def _release(self, endpoint: Endpoint) -> None:
+    def _release(self, endpoint: Endpoint, tokens: float) -> None:
         self.metrics.running.dec()
         # The endpoint may have left the pool (and its id been reused) meanwhile.
-        if self.store.get(endpoint.id) is endpoint and self.store.in_flight[endpoint.id] > 0:
-            self.store.in_flight[endpoint.id] -= 1
+        store = self.store
+        if store.get(endpoint.id) is endpoint and store.in_flight[endpoint.id] > 0:
+            store.in_flight[endpoint.id] -= 1
+            store.in_flight_tokens[endpoint.id] = max(
+                0.0, store.in_flight_tokens[endpoint.id] - tokens
+            )
 
-    def _end_prefill(self, endpoint: Endpoint, tokens: float) -> None:
+    def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float) -> None:
         if self.store.get(endpoint.id) is endpoint:
-            self.store.prefill_done(endpoint.id, tokens)
+            self.store.prefill_done(endpoint.id, tokens, pairs)
 
 
 async def _await_all(request_id: str, pending: list[Awaitable[None]]) -> None:

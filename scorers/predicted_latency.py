@@ -2,53 +2,70 @@
 
 Type: ``predicted-latency-scorer``
 
-Formula, per candidate endpoint ``e`` of hardware class ``c``:
+Formula, per candidate endpoint ``e`` of hardware class ``c`` (prefill work is compute, scaled
+by the class's prefill speed; step overheads are memory reads, scaled by its decode speed):
 
 ```
-uncached_tokens = prompt_tokens - cached_tokens(e)            # from the prefix scorer's match
-prefill_s       = uncached_tokens / (prefillTokensPerSecond * c.prefill_speed)
-queue_s         = (queued_tokens(e) / prefillTokensPerSecond
-                   + unknown_waiting(e) * queuedRequestSeconds) / c.prefill_speed
-queued_tokens   = uncached prompt tokens this picker sent to e whose prefill has not finished
-unknown_waiting = max(0, waiting(e) - requests behind queued_tokens)   # e.g. other replicas'
-ttft(e)         = queue_s + prefill_s (+ transferSecondsPerToken * uncached_tokens under P/D)
-score(e)        = min_e' ttft(e') / ttft(e)                   # the fastest candidate scores 1
+n(e), k(e)    = the request's uncached and cached prompt tokens on e  (from the prefix match)
+work(n, k)    = n / R  +  n * (k + n/2) / (R * A)          # linear layers + causal attention
+own_s(e)      = work(n(e), k(e)) / c.prefill_speed
+queued_s(e)   = (Q_tokens(e) / R + Q_pairs(e) / (R * A)) / c.prefill_speed
+steps(e)      = ceil((Q_tokens(e) + n(e)) / chunkTokens)    # engine steps until the first token
+step_s(e)     = (stepSeconds + F(e) / kvReadTokensPerSecond) / c.decode_speed
+other_s(e)    = max(0, waiting(e) - Q_requests(e)) * queuedRequestSeconds / c.prefill_speed
+ttft(e)       = queued_s + own_s + steps * step_s + other_s (+ transferSecondsPerToken * n)
+score(e)      = min_e' ttft(e') / ttft(e)                   # the fastest candidate scores 1
 ```
 
-Queued work is counted in tokens, not requests: a 100,000-token prompt ahead in the queue
-delays a new request far more than a 1,000-token one.
+with ``R`` = ``prefillTokensPerSecond``, ``A`` = ``attentionCrossoverTokens`` (the context
+length at which a token's attention costs as much as its linear layers; 0 = no attention term),
+``Q_tokens``, ``Q_pairs``, ``Q_requests`` the uncached tokens, their attention work and the
+requests this picker sent to ``e`` whose prefill has not finished (counted from the pick to the
+first response byte), ``F`` the prompt tokens of the requests in flight on ``e`` (the KV each
+decode step reads). Work is counted in tokens, not requests: a 100,000-token prompt ahead in
+the queue delays a new one far more than a 1,000-token one, and a long context costs more than
+its length (attention).
 
-How the inputs are measured: ``prompt_tokens`` is exact when a tokenizer ran, otherwise the
-prompt's characters / 4; ``cached_tokens`` comes from the ``prefix-cache-scorer`` of the same
-profile (list it before this scorer; without it nothing counts as cached); ``waiting`` and
-``running`` are scraped from ``/metrics``; the queued tokens are the picker's own count (added
-at the pick, removed at the request's first response byte); ``c`` comes from the endpoint's
-hardware-class label. ``prefillTokensPerSecond`` is the H100-class prefill
-rate and ``queuedRequestSeconds`` the mean prefill time of a queued request on H100: calibrate
-both from the endpoints' ``vllm:request_prefill_time_seconds`` and prompt-token histograms.
+How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
+prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
+profile (list it before this scorer; without one nothing counts as cached); ``waiting`` is
+scraped from ``/metrics``; the rest is the picker's own accounting; ``c`` comes from the
+endpoint's hardware-class label. The defaults describe an 8B model on an H100 (the harness's
+``llama-3.1-8b-h100`` timing profile: 46,000 linear prefill tokens/s, a 6.5 ms step, 17.6M KV
+tokens read per second, attention crossover at 20,500 tokens); calibrate ``R`` and ``A`` from
+the endpoints' ``vllm:request_prefill_time_seconds`` against prompt length, and the step and
+KV-read terms from ``vllm:time_per_output_token_seconds`` against batch size. When this picker
+sent all the queued work itself, the ranking depends on the ratios between the terms, not on
+their scale.
 
-Parameters (defaults): ``prefillTokensPerSecond`` (10000), ``queuedRequestSeconds`` (0.1),
+Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverTokens``
+(20500; 0 = off), ``stepSeconds`` (0.0065), ``kvReadTokensPerSecond`` (17600000; 0 = off),
+``chunkTokens`` (8192: vLLM's ``max_num_batched_tokens``), ``queuedRequestSeconds`` (0.1),
 ``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
-from kv_picker.decode import NonNegative, Positive
-from kv_picker.endpoint import Endpoint
+from kv_picker.decode import NonNegative, Positive, Range
 from kv_picker.scheduling.context import BuildContext
-from kv_picker.scheduling.framework import LLMRequest
-from kv_picker.scheduling.signals import uncached_prompt_tokens
+from kv_picker.scheduling.framework import Endpoint, LLMRequest
+from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
 
 _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at all
 
 
 @dataclass(frozen=True)
 class PredictedLatencyParams:
-    prefillTokensPerSecond: Annotated[float, Positive] = 10_000.0
+    prefillTokensPerSecond: Annotated[float, Positive] = 46_000.0
+    attentionCrossoverTokens: Annotated[float, NonNegative] = 20_500.0
+    stepSeconds: Annotated[float, NonNegative] = 0.0065
+    kvReadTokensPerSecond: Annotated[float, NonNegative] = 17_600_000.0
+    chunkTokens: Annotated[int, Range(ge=1)] = 8192
     queuedRequestSeconds: Annotated[float, NonNegative] = 0.1
     transferSecondsPerToken: Annotated[float, NonNegative] = 0.0
     charsPerToken: Annotated[float, Positive] = 4.0
@@ -63,19 +80,31 @@ class PredictedLatencyScorer:
         self.params = params
         self._store = ctx.store
         self._hardware = ctx.hardware
+        rate = params.prefillTokensPerSecond
+        crossover = params.attentionCrossoverTokens
+        self._token_s = 1.0 / rate
+        self._pair_s = 1.0 / (rate * crossover) if crossover > 0 else 0.0
+        read = params.kvReadTokensPerSecond
+        self._read_s = 1.0 / read if read > 0 else 0.0
 
     def predict_ttft_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         params, store = self.params, self._store
         hardware = self._hardware.of(endpoint.labels)
-        uncached = uncached_prompt_tokens(request, endpoint.id, params.charsPerToken)
-        prefill_s = uncached / (params.prefillTokensPerSecond * hardware.prefill_speed)
-        endpoint_id = endpoint.id
-        unknown_waiting = max(0.0, store.waiting[endpoint_id] - store.prefill_requests[endpoint_id])
-        queue_s = (
-            store.prefill_tokens[endpoint_id] / params.prefillTokensPerSecond
-            + unknown_waiting * params.queuedRequestSeconds
-        ) / hardware.prefill_speed
-        return queue_s + prefill_s + params.transferSecondsPerToken * uncached
+        i = endpoint.id
+        total = prompt_tokens(request, params.charsPerToken)
+        cached = min(cached_tokens(request, i), total)
+        uncached = total - cached
+        token_s, pair_s = self._token_s, self._pair_s
+        own_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
+        queued_s = store.prefill_tokens[i] * token_s + store.prefill_pairs[i] * pair_s
+        compute_s = (own_s + queued_s) / hardware.prefill_speed
+        steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
+        step_s = (params.stepSeconds + store.in_flight_tokens[i] * self._read_s) / (
+            hardware.decode_speed
+        )
+        unknown_waiting = max(0.0, store.waiting[i] - store.prefill_requests[i])
+        other_s = unknown_waiting * params.queuedRequestSeconds / hardware.prefill_speed
+        return compute_s + steps * step_s + other_s + params.transferSecondsPerToken * uncached
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]

@@ -15,6 +15,10 @@ in_flight: 2          0          0          requests routed here and not yet fin
 prefill_tokens: 5200.0  0.0     0.0        uncached prompt tokens sent here whose prefill has
                                             not finished (no response byte yet): queued work
 prefill_requests: 1     0       0          how many requests those tokens belong to
+prefill_pairs: 2.6e7  0.0       0.0        their attention work: sum of n * (c + n / 2) over those
+                                            requests (n uncached tokens after c cached ones)
+in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
+                                            decode steps read)
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```
@@ -74,6 +78,8 @@ class EndpointStore:
         self.in_flight: list[int] = []
         self.prefill_tokens: list[float] = []
         self.prefill_requests: list[int] = []
+        self.prefill_pairs: list[float] = []
+        self.in_flight_tokens: list[float] = []
         self.scraped_s: list[float] = []
         self.ready: list[bool] = []
         self.block_size_tokens: list[int] = []
@@ -126,6 +132,8 @@ class EndpointStore:
             self.in_flight.append(0)
             self.prefill_tokens.append(0.0)
             self.prefill_requests.append(0)
+            self.prefill_pairs.append(0.0)
+            self.in_flight_tokens.append(0.0)
             self.ready.append(False)
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
@@ -140,6 +148,8 @@ class EndpointStore:
         self.in_flight[endpoint_id] = 0
         self.prefill_tokens[endpoint_id] = 0.0
         self.prefill_requests[endpoint_id] = 0
+        self.prefill_pairs[endpoint_id] = 0.0
+        self.in_flight_tokens[endpoint_id] = 0.0
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
         self.num_gpu_blocks[endpoint_id] = 0
@@ -193,15 +203,18 @@ class EndpointStore:
         self.scraped_s[endpoint_id] = self._clock()
         self.set_ready(endpoint_id, True)
 
-    def add_prefill(self, endpoint_id: EndpointId, tokens: float) -> None:
-        """Count ``tokens`` of prefill work sent to an endpoint (one request)."""
+    def add_prefill(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
+        """Count one request's prefill work sent to an endpoint: ``tokens`` uncached tokens,
+        ``pairs`` their attention work (see the module docstring)."""
         self.prefill_tokens[endpoint_id] += tokens
         self.prefill_requests[endpoint_id] += 1
+        self.prefill_pairs[endpoint_id] += pairs
 
-    def prefill_done(self, endpoint_id: EndpointId, tokens: float) -> None:
+    def prefill_done(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
         """That request's prefill finished (first response byte, or the request ended)."""
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
+        self.prefill_pairs[endpoint_id] = max(0.0, self.prefill_pairs[endpoint_id] - pairs)
 
     def get(self, endpoint_id: EndpointId) -> Endpoint | None:
         return self.endpoints[endpoint_id]

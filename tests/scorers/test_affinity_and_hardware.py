@@ -96,7 +96,13 @@ def test_session_affinity_token_roundtrip_and_garbage() -> None:
 def test_predicted_latency_combines_cache_queue_and_hardware() -> None:
     store = classed("H100", "H100", "L4")
     store.waiting[0] = 4  # a queue on the first H100
-    params = PredictedLatencyParams(prefillTokensPerSecond=1000, queuedRequestSeconds=0.5)
+    params = PredictedLatencyParams(  # the linear terms only
+        prefillTokensPerSecond=1000,
+        queuedRequestSeconds=0.5,
+        attentionCrossoverTokens=0,
+        stepSeconds=0,
+        kvReadTokensPerSecond=0,
+    )
     scorer = PredictedLatencyScorer("p", params, make_context(store))
     request = make_request("x" * 4000)  # ~1000 tokens
     request.state[PREFIX_MATCH] = PrefixMatch(16, 62, {EndpointId(2): 62})  # L4 holds it all
@@ -120,3 +126,28 @@ def test_predicted_latency_counts_queued_tokens_not_requests() -> None:
     assert out[1] == 1.0 and out[0] < 0.1
     store.prefill_done(first.id, 100_000)
     assert store.prefill_tokens[first.id] == 0.0 and store.prefill_requests[first.id] == 0
+
+
+def test_predicted_latency_attention_steps_and_decode_pressure() -> None:
+    store = make_store(2)
+    first, second = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=10_000,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=1_000_000,
+        chunkTokens=4096,
+    )
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    short, long = make_request("x" * 4 * 5_000), make_request("x" * 4 * 20_000)
+    # Attention: four times the prompt costs more than four times as much (plus steps).
+    t_short = scorer.predict_ttft_s(short, first)
+    t_long = scorer.predict_ttft_s(long, first)
+    assert t_short == pytest.approx(0.5 + 5_000 * 2_500 / 1e8 + 2 * 0.01)
+    assert t_long == pytest.approx(2.0 + 20_000 * 10_000 / 1e8 + 5 * 0.01)
+    assert t_long > 4 * t_short
+    # Queued attention work counts too, and requests in flight slow every step.
+    store.add_prefill(first.id, 5_000, 5_000 * 2_500)
+    assert scorer.predict_ttft_s(short, first) == pytest.approx(2 * 0.625 + 3 * 0.01)
+    store.in_flight_tokens[second.id] = 50_000  # 50 ms more per step
+    assert scorer.predict_ttft_s(short, second) == pytest.approx(0.625 + 2 * 0.06)
