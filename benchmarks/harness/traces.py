@@ -12,7 +12,7 @@ traces from here.
 ```
 hash_ids:   [ 0 ][ 14 ][ 15 ][ 16 ]        block_tokens = 512, input_tokens = 1800
 tokens:     0..511 512..1023 ... 1536..1799  (last block partial: 264 tokens)
-text:       " qzk wab ..." 4 chars per token, one fixed pseudo-random chunk per id
+text:       " qzk wab ..." 4 chars per token, one fixed pseudo-random chunk per content id
 engine:     32 blocks of 16 tokens per id    (simulator keys: id * 32 + j)
 ```
 
@@ -22,11 +22,20 @@ per token (``" abc"``, four characters). The simulated endpoint's tokenizer turn
 into exactly one token, so the same text sent over HTTP in live mode has exactly
 ``input_tokens`` tokens and the same block structure.
 
+Adapters and salts: a request's LoRA adapter and ``cache_salt`` put its ids in a cache
+namespace (:mod:`~kv_picker_bench.harness.trace_model`), so its blocks never match another
+adapter's or salt's, as in vLLM. The text is made from the *content* ids
+(:attr:`TraceRequest.content_ids`, the ids without the namespace): two tenants sending the
+same system prompt send the same characters, and only the salt (which the simulator puts in
+``LLMRequest.cache_salt`` and live mode in the body) tells them apart.
+
 Our own JSONL format (``kv-picker-trace``), one JSON object per line::
 
     {"kv_picker_trace": 1, "block_tokens": 16, "name": "my-trace"}          optional header
     {"arrival_s": 0.0, "input_tokens": 700, "output_tokens": 64, "hash_ids": [1, 2, ...]}
     {"arrival_s": 0.4, "prompt": "any text", "output_tokens": 64, "session": "user-7"}
+    {"arrival_s": 0.9, "input_tokens": 700, "output_tokens": 64, "hash_ids": [1, 2, ...],
+     "lora": "sql-adapter", "cache_salt": "tenant-a"}
 
 - ``arrival_s`` (seconds, >= 0), ``output_tokens`` (>= 1) are required.
 - Either ``hash_ids`` (with ``input_tokens``; ``len(hash_ids) == ceil(input_tokens /
@@ -36,6 +45,10 @@ Our own JSONL format (``kv-picker-trace``), one JSON object per line::
 - ``output_hash_ids`` is optional: ids of the blocks of prompt plus output
   (``ceil((input_tokens + output_tokens) / block_tokens)`` of them), so a later request that
   continues the conversation hits the blocks decode filled.
+- ``lora`` (the adapter named as the model) and ``cache_salt`` (non-empty strings) are
+  optional. ``hash_ids`` and ``output_hash_ids`` name *content*: equal ids under another
+  adapter or salt are other blocks. When a file uses either field, every id must be below
+  ``2**40`` (the namespace sits above).
 - ``block_tokens`` defaults to 16 (vLLM's default block size) when there is no header.
 
 Errors name the file, the line and the field.
@@ -66,7 +79,9 @@ from kv_picker_bench.harness.families import (
 )
 from kv_picker_bench.harness.synthesis import parse_stages, poisson_arrivals, staged_arrivals
 from kv_picker_bench.harness.trace_model import (
+    CONTENT_ID_LIMIT,
     DEFAULT_BLOCK_TOKENS,
+    CacheNamespaces,
     Trace,
     TraceError,
     TraceRequest,
@@ -75,12 +90,14 @@ from kv_picker_bench.harness.trace_model import (
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "CONTENT_ID_LIMIT",
     "DEFAULT_BLOCK_TOKENS",
     "FAMILIES",
     "GENERATORS",
     "KV_PICKER_TRACE_VERSION",
     "LLMD_STAGES",
     "MOONCAKE_BLOCK_TOKENS",
+    "CacheNamespaces",
     "ChatSpec",
     "Family",
     "SharedPrefixSpec",
@@ -149,10 +166,11 @@ def block_text(hash_id: int, num_tokens: int, block_tokens: int) -> str:
 
 
 def prompt_text(request: TraceRequest, block_tokens: int) -> str:
-    """The request's prompt text: its own, or one chunk per block id (equal ids, equal text)."""
+    """The request's prompt text: its own, or one chunk per content id (equal content, equal
+    text, whatever the adapter or salt)."""
     if request.prompt is not None:
         return request.prompt
-    ids = request.hash_ids
+    ids = request.content_ids
     if not ids:
         return ""
     pool = _text_pool()
@@ -322,6 +340,8 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
             "prompt",
             "session",
             "output_hash_ids",
+            "lora",
+            "cache_salt",
         }
         unknown = sorted(set(row) - known)
         if unknown:
@@ -333,6 +353,8 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
         session = row.get("session")
         if session is not None and not isinstance(session, str):
             raise _fail(where, line, "session", f"expected a string, got {session!r}")
+        lora = _name_field(row, "lora", where, line)
+        salt = _name_field(row, "cache_salt", where, line)
         prompt = row.get("prompt")
         if prompt is not None:
             if "hash_ids" in row:
@@ -376,21 +398,68 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
                 prompt=prompt,
                 line=line,
                 output_ids=output_ids,
+                lora=lora,
+                salt=salt,
             )
         )
     if not requests:
         raise TraceError(f"{where}: the trace has no requests")
+    namespaced = any(r.namespaced for r in requests)
+    if namespaced:  # before text ids are moved above the given ones
+        _check_content_ids([r for r in requests if r.prompt is None], where)
     if text_ids is not None and any(r.prompt is None for r in requests):
         # Text ids are dense from 0 and could collide with given ids: move them apart.
         offset = 1 + max(i for r in requests if r.prompt is None for i in r.hash_ids)
         for request in requests:
             if request.prompt is not None:
                 request.hash_ids = [i + offset for i in request.hash_ids]
+    if namespaced:
+        _check_content_ids(requests, where)
+        _apply_namespaces(requests)
     return Trace(trace_name, block_tokens, renumber_by_arrival(requests), where)
 
 
+def _name_field(row: dict[str, Any], key: str, path: str, line: int) -> str | None:
+    value = row.get(key)
+    if value is not None and not (isinstance(value, str) and value):
+        raise _fail(path, line, key, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _check_content_ids(requests: Sequence[TraceRequest], path: str) -> None:
+    """In a trace with adapters or salts every id must name content (below 2**40), or a plain
+    id could equal a namespaced one."""
+    for request in requests:
+        field_name = "prompt" if request.prompt is not None else "hash_ids"
+        for key, ids in ((field_name, request.hash_ids), ("output_hash_ids", request.output_ids)):
+            if ids and max(ids) >= CONTENT_ID_LIMIT:
+                raise _fail(
+                    path,
+                    request.line,
+                    key,
+                    f"ids must be below 2**40 in a trace that uses lora or cache_salt, "
+                    f"got {max(ids)}",
+                )
+
+
+def _apply_namespaces(requests: Sequence[TraceRequest]) -> None:
+    """Moves the ids of requests with an adapter or a salt into their cache namespaces."""
+    namespaces = CacheNamespaces()
+    for request in requests:
+        if request.namespaced:
+            request.hash_ids = namespaces.apply(request.hash_ids, request.lora, request.salt)
+            if request.output_ids is not None:
+                request.output_ids = namespaces.apply(
+                    request.output_ids, request.lora, request.salt
+                )
+
+
 def write_kv_picker_jsonl(trace: Trace, path: str | Path) -> None:
-    """Write a trace in kv-picker's JSONL format (ids, not text, for generated prompts)."""
+    """Write a trace in kv-picker's JSONL format (ids, not text, for generated prompts).
+
+    Ids are written as content ids, with the adapter and salt beside them, as the reader
+    expects (see the module docstring).
+    """
     with Path(path).open("w", encoding="utf-8") as handle:
         header = {
             "kv_picker_trace": KV_PICKER_TRACE_VERSION,
@@ -403,12 +472,16 @@ def write_kv_picker_jsonl(trace: Trace, path: str | Path) -> None:
                 "arrival_s": round(request.arrival_s, 6),
                 "input_tokens": request.input_tokens,
                 "output_tokens": request.output_tokens,
-                "hash_ids": request.hash_ids,
+                "hash_ids": request.content_ids,
             }
             if request.session is not None:
                 row["session"] = request.session
             if request.output_ids is not None:
-                row["output_hash_ids"] = request.output_ids
+                row["output_hash_ids"] = request.output_content_ids
+            if request.lora is not None:
+                row["lora"] = request.lora
+            if request.salt is not None:
+                row["cache_salt"] = request.salt
             handle.write(json.dumps(row) + "\n")
 
 
