@@ -113,6 +113,7 @@ __all__ = [
     "parse_trace_spec",
     "poisson_arrivals",
     "prompt_text",
+    "scale_rate",
     "slice_trace",
     "staged_arrivals",
     "write_kv_picker_jsonl",
@@ -578,6 +579,21 @@ def slice_trace(
         for index, request in enumerate(requests)
     ]
     return Trace(trace.name, trace.block_tokens, sliced, trace.source, notes)
+
+
+def scale_rate(trace: Trace, factor: float) -> Trace:
+    """A new trace whose arrival rate is ``factor`` times the original's: every arrival time
+    divided by ``factor`` (the shape of the arrivals, bursts and think times included, is kept
+    and compressed alike).
+
+    Raises:
+        TraceError: ``factor`` is not a positive finite number.
+    """
+    if not (factor > 0 and math.isfinite(factor)):
+        raise TraceError(f"rate factor must be a positive number, got {factor}")
+    scaled = [replace(request, arrival_s=request.arrival_s / factor) for request in trace.requests]
+    notes = [*trace.notes, f"rate x{factor:g}"]
+    return Trace(trace.name, trace.block_tokens, scaled, trace.source, notes)
 
 
 def iter_ids(requests: Iterable[TraceRequest]) -> Iterator[int]:

@@ -18,6 +18,7 @@ from kv_picker_bench.harness.traces import (
     parse_stages,
     parse_trace_spec,
     prompt_text,
+    scale_rate,
     slice_trace,
     write_kv_picker_jsonl,
 )
@@ -213,6 +214,22 @@ def test_adapters_and_salts_keep_equal_content_apart(tmp_path: Path) -> None:
         (v.get("lora"), v.get("cache_salt")) for v in variants
     ]
     assert [r.hash_ids for r in load_trace(again).requests] == [r.hash_ids for r in trace.requests]
+
+
+def test_scale_rate_divides_arrival_times() -> None:
+    trace = SharedPrefixSpec(groups=2, users=2, requests=20, rate=10).build()
+    faster = scale_rate(trace, 4.0)
+    assert [r.arrival_s for r in faster.requests] == pytest.approx(
+        [r.arrival_s / 4 for r in trace.requests]
+    )
+    assert [r.hash_ids for r in faster.requests] == [r.hash_ids for r in trace.requests]
+    assert faster.notes == ["rate x4"] and trace.notes == []
+    assert faster.summary()["rate_per_s"] == pytest.approx(
+        4 * trace.summary()["rate_per_s"], rel=1e-3
+    )
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(TraceError, match="rate factor"):
+            scale_rate(trace, bad)
 
 
 def test_text_is_one_word_per_token_and_equal_ids_give_equal_prefixes() -> None:
