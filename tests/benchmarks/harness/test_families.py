@@ -13,6 +13,7 @@ import pytest
 from kv_picker_bench.harness.cli import replay_main
 from kv_picker_bench.harness.families import FAMILIES, GENERATORS, Range
 from kv_picker_bench.harness.report import hit_ratio_bounds
+from kv_picker_bench.harness.synthesis import PrefixBlocks, gamma_arrivals
 from kv_picker_bench.harness.traces import (
     Trace,
     TraceError,
@@ -141,6 +142,42 @@ def test_a_family_without_randomized_parameters_only_seeds_the_build() -> None:
     assert all(2 <= size <= 8 for size in sizes)
     # Log-uniform: 66% fall below the arithmetic middle (5), not half.
     assert 0.58 < sum(size < 5 for size in sizes) / len(sizes) < 0.74
+
+
+# ------------------------------------------------------------------------ building blocks
+
+
+def test_prefix_blocks_give_a_block_to_the_segment_that_ends_in_it() -> None:
+    blocks = PrefixBlocks(16)
+    system = blocks.child(blocks.root, "system", 40)
+    assert blocks.prompt(system) == ([0, 1, 2], 40)  # two full blocks, a tail
+    chunk_a = blocks.child(system, "a", 30)
+    chunk_b = blocks.child(system, "b", 30)
+    ids_a, tokens = blocks.prompt(chunk_a)
+    ids_b, _ = blocks.prompt(chunk_b)
+    assert tokens == 70 and ids_a[:2] == ids_b[:2] == [0, 1]
+    assert ids_a[2] != 2 and ids_a[2] != ids_b[2]  # block 2 mixes system and chunk tokens
+    assert blocks.child(system, "a", 30) is chunk_a
+    with pytest.raises(ValueError, match="another length"):
+        blocks.child(system, "a", 31)
+    one, _ = blocks.prompt(blocks.unique(system, 8))
+    two, _ = blocks.prompt(blocks.unique(system, 8))
+    assert one[:2] == two[:2] and one[2] != two[2]
+
+
+def test_gamma_arrivals_keep_the_rate_and_bunch_up_with_the_cv() -> None:
+    smooth = gamma_arrivals(random.Random(1), 4000, 10.0, 1.0)
+    bursty = gamma_arrivals(random.Random(1), 4000, 10.0, 3.0)
+    for times in (smooth, bursty):
+        assert times[-1] == pytest.approx(400.0, rel=0.15)
+
+    def cv(times: list[float]) -> float:
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        mean = sum(gaps) / len(gaps)
+        return (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+
+    assert cv(smooth) == pytest.approx(1.0, abs=0.1)
+    assert cv(bursty) == pytest.approx(3.0, rel=0.2)
 
 
 # ------------------------------------------------------------------------------ replays
