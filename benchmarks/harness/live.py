@@ -101,17 +101,23 @@ def router_binary(router: str, explicit: str | None = None) -> str | None:
 
 
 def trace_requests(trace: Trace, model: str) -> list[tuple[float, WorkloadRequest]]:
-    """(arrival_s, request) pairs: streamed completions with the trace's text and lengths."""
+    """(arrival_s, request) pairs: streamed completions with the trace's text and lengths.
+
+    A request with a LoRA adapter names it as the body's ``model``; one with a salt sends it
+    as ``cache_salt`` (the endpoints must serve the adapters: ``--lora-modules``).
+    """
     requests = []
     for request in trace.requests:
         body: dict[str, Any] = {
-            "model": model,
+            "model": request.lora or model,  # an adapter is named as the model, as in vLLM
             "prompt": prompt_text(request, trace.block_tokens),
             "max_tokens": request.output_tokens,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if request.salt is not None:
+            body["cache_salt"] = request.salt
         headers = {"x-session-id": request.session} if request.session else {}
         requests.append(
             (request.arrival_s, WorkloadRequest("/v1/completions", body, headers=headers))

@@ -718,13 +718,16 @@ class ClusterSimulator:
         keys = block_keys(trace_request, self.trace.block_tokens, config.block_size)
         prompt = prompt_text(trace_request, self.trace.block_tokens) if self.needs_prompt else ""
         headers = {"x-session-id": trace_request.session} if trace_request.session else {}
+        # A request names its adapter as the model; the pool still serves the base model.
         request = LLMRequest(
             request_id=str(trace_request.index),
-            model=config.model,
+            model=trace_request.lora or config.model,
             target_model=config.model,
             path="/v1/completions",
             prompt=Prompt("completions", prompt),
             stream=True,
+            cache_salt=trace_request.salt,
+            lora_adapter=trace_request.lora,
             headers=headers,
             body_size_bytes=len(prompt) + 120,
             state={BLOCK_KEYS_STATE: keys, PROMPT_TOKENS: trace_request.input_tokens},

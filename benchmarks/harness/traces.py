@@ -1,16 +1,18 @@
-"""Trace inputs: Mooncake JSONL, kv-picker JSONL, synthetic shared-prefix and chat workloads.
+"""Trace inputs: Mooncake JSONL, kv-picker JSONL and the synthetic workload families.
 
 Every source becomes one shape, a :class:`Trace` of :class:`TraceRequest` rows, so the offline
 simulator, the live replay and the peer replay all see identical requests. A request carries
 no tokens: its prompt is a list of *block ids*, one per ``block_tokens``-token block, where equal
 ids at equal positions mean equal token blocks (and, because ids are chained prefix hashes,
 equal prefixes). That is the Mooncake representation, and it is enough for exact prefix-cache
-accounting.
+accounting. The records live in :mod:`~kv_picker_bench.harness.trace_model` and the generators
+in :mod:`~kv_picker_bench.harness.families`; this module re-exports both, so callers import
+traces from here.
 
 ```
 hash_ids:   [ 0 ][ 14 ][ 15 ][ 16 ]        block_tokens = 512, input_tokens = 1800
 tokens:     0..511 512..1023 ... 1536..1799  (last block partial: 264 tokens)
-text:       " qzk wab ..." 4 chars per token, one fixed pseudo-random chunk per id
+text:       " qzk wab ..." 4 chars per token, one fixed pseudo-random chunk per content id
 engine:     32 blocks of 16 tokens per id    (simulator keys: id * 32 + j)
 ```
 
@@ -20,11 +22,20 @@ per token (``" abc"``, four characters). The simulated endpoint's tokenizer turn
 into exactly one token, so the same text sent over HTTP in live mode has exactly
 ``input_tokens`` tokens and the same block structure.
 
+Adapters and salts: a request's LoRA adapter and ``cache_salt`` put its ids in a cache
+namespace (:mod:`~kv_picker_bench.harness.trace_model`), so its blocks never match another
+adapter's or salt's, as in vLLM. The text is made from the *content* ids
+(:attr:`TraceRequest.content_ids`, the ids without the namespace): two tenants sending the
+same system prompt send the same characters, and only the salt (which the simulator puts in
+``LLMRequest.cache_salt`` and live mode in the body) tells them apart.
+
 Our own JSONL format (``kv-picker-trace``), one JSON object per line::
 
     {"kv_picker_trace": 1, "block_tokens": 16, "name": "my-trace"}          optional header
     {"arrival_s": 0.0, "input_tokens": 700, "output_tokens": 64, "hash_ids": [1, 2, ...]}
     {"arrival_s": 0.4, "prompt": "any text", "output_tokens": 64, "session": "user-7"}
+    {"arrival_s": 0.9, "input_tokens": 700, "output_tokens": 64, "hash_ids": [1, 2, ...],
+     "lora": "sql-adapter", "cache_salt": "tenant-a"}
 
 - ``arrival_s`` (seconds, >= 0), ``output_tokens`` (>= 1) are required.
 - Either ``hash_ids`` (with ``input_tokens``; ``len(hash_ids) == ceil(input_tokens /
@@ -34,6 +45,10 @@ Our own JSONL format (``kv-picker-trace``), one JSON object per line::
 - ``output_hash_ids`` is optional: ids of the blocks of prompt plus output
   (``ceil((input_tokens + output_tokens) / block_tokens)`` of them), so a later request that
   continues the conversation hits the blocks decode filled.
+- ``lora`` (the adapter named as the model) and ``cache_salt`` (non-empty strings) are
+  optional. ``hash_ids`` and ``output_hash_ids`` name *content*: equal ids under another
+  adapter or salt are other blocks. When a file uses either field, every id must be below
+  ``2**40`` (the namespace sits above).
 - ``block_tokens`` defaults to 16 (vLLM's default block size) when there is no header.
 
 Errors name the file, the line and the field.
@@ -43,101 +58,72 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import json
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kv_picker_bench.harness.families import (
+    FAMILIES,
+    GENERATORS,
+    LLMD_STAGES,
+    ChatSpec,
+    Family,
+    SharedPrefixSpec,
+    build_generator,
+)
+from kv_picker_bench.harness.synthesis import parse_stages, poisson_arrivals, staged_arrivals
+from kv_picker_bench.harness.trace_model import (
+    CONTENT_ID_LIMIT,
+    DEFAULT_BLOCK_TOKENS,
+    CacheNamespaces,
+    Trace,
+    TraceError,
+    TraceRequest,
+    renumber_by_arrival,
+)
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "CONTENT_ID_LIMIT",
+    "DEFAULT_BLOCK_TOKENS",
+    "FAMILIES",
+    "GENERATORS",
+    "KV_PICKER_TRACE_VERSION",
+    "LLMD_STAGES",
+    "MOONCAKE_BLOCK_TOKENS",
+    "CacheNamespaces",
+    "ChatSpec",
+    "Family",
+    "SharedPrefixSpec",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "block_text",
+    "iter_ids",
+    "load_kv_picker_jsonl",
+    "load_mooncake",
+    "load_trace",
+    "parse_stages",
+    "parse_trace_spec",
+    "poisson_arrivals",
+    "prompt_text",
+    "scale_rate",
+    "slice_trace",
+    "staged_arrivals",
+    "write_kv_picker_jsonl",
+]
+
 CHARS_PER_TOKEN = 4
 """Characters of synthesized prompt text per token (one 3-letter word and a space)."""
 
 MOONCAKE_BLOCK_TOKENS = 512
-DEFAULT_BLOCK_TOKENS = 16
 KV_PICKER_TRACE_VERSION = 1
-
-
-class TraceError(ValueError):
-    """A trace that cannot be used; the message names the file, line and field."""
-
-
-@dataclass(slots=True)
-class TraceRequest:
-    """One request of a trace.
-
-    Attributes:
-        index: Position in the trace after slicing (0-based), the request's id in results.
-        arrival_s: Arrival time in seconds from the start of the trace.
-        input_tokens: Prompt length in tokens.
-        output_tokens: Tokens to generate (replays force exactly this many).
-        hash_ids: One id per ``block_tokens`` prompt block; the last block may be partial.
-        session: Conversation or group the request belongs to, if known.
-        prompt: Explicit prompt text, when the trace had text; else it is synthesized.
-        line: Source line (1-based) for error messages, 0 for generated requests.
-        output_ids: Block ids of prompt plus output, when known (a chat's next turn starts
-            with them), so the blocks decode fills can be cached under the right keys.
-    """
-
-    index: int
-    arrival_s: float
-    input_tokens: int
-    output_tokens: int
-    hash_ids: list[int]
-    session: str | None = None
-    prompt: str | None = None
-    line: int = 0
-    output_ids: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Trace:
-    """A named, time-ordered list of requests with one block size.
-
-    Attributes:
-        name: Short name used in reports.
-        block_tokens: Tokens per hash-id block.
-        requests: Requests sorted by arrival.
-        source: Where it came from (a path or a generator spec).
-        notes: What was done to it (slicing, scaling), in order, for the report.
-    """
-
-    name: str
-    block_tokens: int
-    requests: list[TraceRequest]
-    source: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def duration_s(self) -> float:
-        """Time from the first to the last arrival."""
-        if not self.requests:
-            return 0.0
-        return self.requests[-1].arrival_s - self.requests[0].arrival_s
-
-    def summary(self) -> dict[str, Any]:
-        """Counts for reports: requests, span, rate, mean token lengths."""
-        count = len(self.requests)
-        duration_s = self.duration_s
-        return {
-            "name": self.name,
-            "source": self.source,
-            "requests": count,
-            "block_tokens": self.block_tokens,
-            "duration_s": round(duration_s, 3),
-            "rate_per_s": round(count / duration_s, 3) if duration_s > 0 else None,
-            "mean_input_tokens": round(sum(r.input_tokens for r in self.requests) / count, 1)
-            if count
-            else 0.0,
-            "mean_output_tokens": round(sum(r.output_tokens for r in self.requests) / count, 1)
-            if count
-            else 0.0,
-            "notes": list(self.notes),
-        }
 
 
 # --------------------------------------------------------------------------------- text
@@ -181,10 +167,11 @@ def block_text(hash_id: int, num_tokens: int, block_tokens: int) -> str:
 
 
 def prompt_text(request: TraceRequest, block_tokens: int) -> str:
-    """The request's prompt text: its own, or one chunk per block id (equal ids, equal text)."""
+    """The request's prompt text: its own, or one chunk per content id (equal content, equal
+    text, whatever the adapter or salt)."""
     if request.prompt is not None:
         return request.prompt
-    ids = request.hash_ids
+    ids = request.content_ids
     if not ids:
         return ""
     pool = _text_pool()
@@ -265,14 +252,6 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
                 raise TraceError(f"{path}:{line_number}: not valid JSON: {exc.msg}") from None
 
 
-def _sorted_by_arrival(requests: list[TraceRequest]) -> list[TraceRequest]:
-    if any(a.arrival_s > b.arrival_s for a, b in itertools.pairwise(requests)):
-        requests = sorted(requests, key=lambda r: r.arrival_s)  # stable: ties keep file order
-    for index, request in enumerate(requests):
-        request.index = index
-    return requests
-
-
 def load_mooncake(path: str | Path, name: str | None = None) -> Trace:
     """Read a Mooncake FAST'25 trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids`` of 512-token blocks).
@@ -302,7 +281,7 @@ def load_mooncake(path: str | Path, name: str | None = None) -> Trace:
         )
     if not requests:
         raise TraceError(f"{where}: the trace has no requests")
-    return Trace(name or path.stem, MOONCAKE_BLOCK_TOKENS, _sorted_by_arrival(requests), where)
+    return Trace(name or path.stem, MOONCAKE_BLOCK_TOKENS, renumber_by_arrival(requests), where)
 
 
 class _TextBlockIds:
@@ -362,6 +341,8 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
             "prompt",
             "session",
             "output_hash_ids",
+            "lora",
+            "cache_salt",
         }
         unknown = sorted(set(row) - known)
         if unknown:
@@ -373,6 +354,8 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
         session = row.get("session")
         if session is not None and not isinstance(session, str):
             raise _fail(where, line, "session", f"expected a string, got {session!r}")
+        lora = _name_field(row, "lora", where, line)
+        salt = _name_field(row, "cache_salt", where, line)
         prompt = row.get("prompt")
         if prompt is not None:
             if "hash_ids" in row:
@@ -416,21 +399,68 @@ def load_kv_picker_jsonl(path: str | Path, name: str | None = None) -> Trace:
                 prompt=prompt,
                 line=line,
                 output_ids=output_ids,
+                lora=lora,
+                salt=salt,
             )
         )
     if not requests:
         raise TraceError(f"{where}: the trace has no requests")
+    namespaced = any(r.namespaced for r in requests)
+    if namespaced:  # before text ids are moved above the given ones
+        _check_content_ids([r for r in requests if r.prompt is None], where)
     if text_ids is not None and any(r.prompt is None for r in requests):
         # Text ids are dense from 0 and could collide with given ids: move them apart.
         offset = 1 + max(i for r in requests if r.prompt is None for i in r.hash_ids)
         for request in requests:
             if request.prompt is not None:
                 request.hash_ids = [i + offset for i in request.hash_ids]
-    return Trace(trace_name, block_tokens, _sorted_by_arrival(requests), where)
+    if namespaced:
+        _check_content_ids(requests, where)
+        _apply_namespaces(requests)
+    return Trace(trace_name, block_tokens, renumber_by_arrival(requests), where)
+
+
+def _name_field(row: dict[str, Any], key: str, path: str, line: int) -> str | None:
+    value = row.get(key)
+    if value is not None and not (isinstance(value, str) and value):
+        raise _fail(path, line, key, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _check_content_ids(requests: Sequence[TraceRequest], path: str) -> None:
+    """In a trace with adapters or salts every id must name content (below 2**40), or a plain
+    id could equal a namespaced one."""
+    for request in requests:
+        field_name = "prompt" if request.prompt is not None else "hash_ids"
+        for key, ids in ((field_name, request.hash_ids), ("output_hash_ids", request.output_ids)):
+            if ids and max(ids) >= CONTENT_ID_LIMIT:
+                raise _fail(
+                    path,
+                    request.line,
+                    key,
+                    f"ids must be below 2**40 in a trace that uses lora or cache_salt, "
+                    f"got {max(ids)}",
+                )
+
+
+def _apply_namespaces(requests: Sequence[TraceRequest]) -> None:
+    """Moves the ids of requests with an adapter or a salt into their cache namespaces."""
+    namespaces = CacheNamespaces()
+    for request in requests:
+        if request.namespaced:
+            request.hash_ids = namespaces.apply(request.hash_ids, request.lora, request.salt)
+            if request.output_ids is not None:
+                request.output_ids = namespaces.apply(
+                    request.output_ids, request.lora, request.salt
+                )
 
 
 def write_kv_picker_jsonl(trace: Trace, path: str | Path) -> None:
-    """Write a trace in kv-picker's JSONL format (ids, not text, for generated prompts)."""
+    """Write a trace in kv-picker's JSONL format (ids, not text, for generated prompts).
+
+    Ids are written as content ids, with the adapter and salt beside them, as the reader
+    expects (see the module docstring).
+    """
     with Path(path).open("w", encoding="utf-8") as handle:
         header = {
             "kv_picker_trace": KV_PICKER_TRACE_VERSION,
@@ -443,12 +473,16 @@ def write_kv_picker_jsonl(trace: Trace, path: str | Path) -> None:
                 "arrival_s": round(request.arrival_s, 6),
                 "input_tokens": request.input_tokens,
                 "output_tokens": request.output_tokens,
-                "hash_ids": request.hash_ids,
+                "hash_ids": request.content_ids,
             }
             if request.session is not None:
                 row["session"] = request.session
             if request.output_ids is not None:
-                row["output_hash_ids"] = request.output_ids
+                row["output_hash_ids"] = request.output_content_ids
+            if request.lora is not None:
+                row["lora"] = request.lora
+            if request.salt is not None:
+                row["cache_salt"] = request.salt
             handle.write(json.dumps(row) + "\n")
 
 
@@ -476,241 +510,15 @@ def load_trace(path: str | Path, fmt: str = "auto", name: str | None = None) -> 
     raise TraceError(f"{path}: the trace has no requests")
 
 
-# ---------------------------------------------------------------------------- arrivals
-
-
-def parse_stages(text: str) -> list[tuple[float, float]]:
-    """``"15x50,3x20"`` -> [(15 req/s, 50 s), (3 req/s, 20 s)]."""
-    stages = []
-    for item in text.split("/"):
-        rate_text, sep, duration_text = item.partition("x")
-        try:
-            rate, duration = float(rate_text), float(duration_text)
-        except ValueError:
-            raise TraceError(f"stage {item!r}: expected RATExSECONDS, e.g. 15x50") from None
-        if not sep or rate <= 0 or duration <= 0:
-            raise TraceError(f"stage {item!r}: expected RATExSECONDS with positive numbers")
-        stages.append((rate, duration))
-    return stages
-
-
-def poisson_arrivals(
-    rng: random.Random, count: int, rate_start: float, rate_end: float
-) -> list[float]:
-    """``count`` Poisson arrival times whose rate moves linearly from start to end.
-
-    With a ramp, arrivals are spaced evenly in expected count, so the rate at the k-th arrival
-    is ``rate_start + (rate_end - rate_start) * k / count``.
-    """
-    if rate_start <= 0 or rate_end <= 0:
-        raise TraceError("rates must be positive")
-    times = []
-    now_s = 0.0
-    for k in range(count):
-        rate = rate_start + (rate_end - rate_start) * k / max(1, count)
-        now_s += rng.expovariate(rate)
-        times.append(now_s)
-    return times
-
-
-def staged_arrivals(rng: random.Random, stages: Sequence[tuple[float, float]]) -> list[float]:
-    """Poisson arrivals for consecutive constant-rate stages (llm-d-benchmark style)."""
-    times = []
-    start_s = 0.0
-    for rate, duration_s in stages:
-        now_s = start_s
-        while True:
-            now_s += rng.expovariate(rate)
-            if now_s >= start_s + duration_s:
-                break
-            times.append(now_s)
-        start_s += duration_s
-    return times
-
-
-# -------------------------------------------------------------------------- generators
-
-
-# llm-d's precise prefix-cache routing benchmark (llm-d-benchmark profile
-# guide_precise-prefix-cache-routing_1): 150 groups x 5 prompts, 6000-token shared context,
-# 1200-token question, 1000 output tokens; a 15 req/s warm-up then a Poisson ladder 3 -> 60.
-LLMD_STAGES = (
-    "15x50/3x20/10x20/15x20/20x38/22x34/25x30/30x25/35x21/40x38/43x36/46x33/49x30/52x29/"
-    "55x27/57x26/60x25"
-)
-
-
-class _Ids:
-    def __init__(self) -> None:
-        self.next_id = 0
-
-    def take(self, count: int) -> list[int]:
-        start = self.next_id
-        self.next_id += count
-        return list(range(start, start + count))
-
-
-@dataclass(frozen=True, slots=True)
-class SharedPrefixSpec:
-    """Synthetic shared-prefix workload with the parameters of llm-d's published one.
-
-    ``groups`` customers each have a ``context_tokens`` shared context; each of their
-    ``users`` asks a ``question_tokens`` question (the same one every time, as
-    inference-perf's ``shared_prefix`` data does, unless ``unique``) and gets ``output_tokens``.
-    Requests pick a (group, user) uniformly at random.
-
-    Arrivals: ``stages`` (``"RATExSECONDS/..."``, Poisson per stage) when given, else
-    ``requests`` Poisson arrivals at ``rate`` (a linear ramp when ``rate_end`` is set).
-    """
-
-    groups: int = 150
-    users: int = 5
-    context_tokens: int = 6000
-    question_tokens: int = 1200
-    output_tokens: int = 1000
-    requests: int = 750
-    rate: float = 10.0
-    rate_end: float = 0.0
-    stages: str = ""
-    unique: bool = False
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-    seed: int = 0
-
-    def build(self, name: str = "shared-prefix") -> Trace:
-        if min(self.groups, self.users, self.output_tokens, self.block_tokens) < 1:
-            raise TraceError("shared-prefix: groups, users, output and block must be >= 1")
-        if self.context_tokens < 0 or self.question_tokens < 1:
-            raise TraceError("shared-prefix: context must be >= 0 and question >= 1")
-        rng = random.Random(self.seed)
-        if self.stages:
-            times = staged_arrivals(rng, parse_stages(self.stages))
-        else:
-            if self.requests < 1:
-                raise TraceError("shared-prefix: requests must be >= 1")
-            times = poisson_arrivals(rng, self.requests, self.rate, self.rate_end or self.rate)
-        size = self.block_tokens
-        input_tokens = self.context_tokens + self.question_tokens
-        num_shared = self.context_tokens // size  # a block straddling context and question
-        num_blocks = -(-input_tokens // size)  # belongs to the question
-        ids = _Ids()
-        contexts = [ids.take(num_shared) for _ in range(self.groups)]
-        questions: dict[tuple[int, int], list[int]] = {}
-        requests = []
-        for index, arrival_s in enumerate(times):
-            group = rng.randrange(self.groups)
-            user = rng.randrange(self.users)
-            if self.unique:
-                tail = ids.take(num_blocks - num_shared)
-            else:
-                tail = questions.get((group, user)) or questions.setdefault(
-                    (group, user), ids.take(num_blocks - num_shared)
-                )
-            requests.append(
-                TraceRequest(
-                    index=index,
-                    arrival_s=arrival_s,
-                    input_tokens=input_tokens,
-                    output_tokens=self.output_tokens,
-                    hash_ids=contexts[group] + tail,
-                    session=f"g{group}-u{user}",
-                )
-            )
-        return Trace(name, size, requests, f"shared-prefix {self}")
-
-
-@dataclass(frozen=True, slots=True)
-class ChatSpec:
-    """Synthetic multi-turn chat sessions.
-
-    ``sessions`` conversations start as a Poisson process at ``rate`` per second; each has
-    ``turns`` turns. Turn k's prompt is the session's system prompt (one of ``groups`` shared
-    ones, ``system_tokens`` long), then every earlier user message and answer, then a new
-    ``user_tokens`` message; it asks for ``output_tokens``. The next turn arrives an
-    exponential think time (mean ``think_s``) after the previous one (open loop: a trace is a
-    fixed schedule, as Mooncake's is).
-    """
-
-    sessions: int = 200
-    turns: int = 5
-    groups: int = 4
-    system_tokens: int = 1000
-    user_tokens: int = 200
-    output_tokens: int = 200
-    think_s: float = 10.0
-    rate: float = 2.0
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-    seed: int = 0
-
-    def build(self, name: str = "chat") -> Trace:
-        if min(self.sessions, self.turns, self.groups, self.user_tokens, self.output_tokens) < 1:
-            raise TraceError("chat: sessions, turns, groups, user and output must be >= 1")
-        if self.system_tokens < 0 or self.think_s < 0 or self.rate <= 0:
-            raise TraceError("chat: system and think must be >= 0, rate > 0")
-        rng = random.Random(self.seed)
-        size = self.block_tokens
-        ids = _Ids()
-        system = [ids.take(-(-self.system_tokens // size)) for _ in range(self.groups)]
-        starts = poisson_arrivals(rng, self.sessions, self.rate, self.rate)
-        rows: list[TraceRequest] = []
-        for session, start_s in enumerate(starts):
-            group = rng.randrange(self.groups)
-            blocks = list(system[group])
-            num_tokens = self.system_tokens
-            arrival_s = start_s
-            for _ in range(self.turns):
-                blocks, num_tokens = _extend(blocks, num_tokens, self.user_tokens, size, ids)
-                rows.append(
-                    TraceRequest(
-                        index=0,
-                        arrival_s=arrival_s,
-                        input_tokens=num_tokens,
-                        output_tokens=self.output_tokens,
-                        hash_ids=list(blocks),
-                        session=f"s{session}",
-                    )
-                )
-                blocks, num_tokens = _extend(blocks, num_tokens, self.output_tokens, size, ids)
-                rows[-1].output_ids = list(blocks)
-                arrival_s += rng.expovariate(1.0 / self.think_s) if self.think_s > 0 else 0.0
-        return Trace(name, size, _sorted_by_arrival(rows), f"chat {self}")
-
-
-def _extend(
-    blocks: list[int], num_tokens: int, added_tokens: int, size: int, ids: _Ids
-) -> tuple[list[int], int]:
-    """Append tokens to a block-id history; a partial last block changes content (new id)."""
-    blocks = list(blocks)
-    total = num_tokens + added_tokens
-    if num_tokens % size:
-        blocks[-1] = ids.take(1)[0]
-    blocks.extend(ids.take(-(-total // size) - len(blocks)))
-    return blocks, total
-
-
-GENERATORS = {
-    "shared-prefix": SharedPrefixSpec,
-    "llm-d": SharedPrefixSpec,
-    "chat": ChatSpec,
-}
-"""Generator names usable in a trace spec (``llm-d`` is shared-prefix with llm-d's ladder)."""
-
-_SPEC_ALIASES = {
-    "context": "context_tokens",
-    "question": "question_tokens",
-    "output": "output_tokens",
-    "system": "system_tokens",
-    "user": "user_tokens",
-    "think": "think_s",
-    "block": "block_tokens",
-}
-
-
 def parse_trace_spec(spec: str) -> Trace:
     """A trace from a file path or a generator spec such as
-    ``shared-prefix:groups=150,users=5,context=6000,question=1200,output=1000,rate=20``.
+    ``shared-prefix:groups=150,users=5,context=6000,question=1200,output=1000,rate=20`` or
+    ``rag:seed=3,top_k=4``.
 
-    ``llm-d`` is the shared-prefix generator with llm-d's published parameters and load
-    ladder (override any of them, e.g. ``llm-d:stages=10x60``).
+    Generators are the workload families (:data:`FAMILIES`; ``seed=N`` draws their ranged
+    parameters, see :mod:`~kv_picker_bench.harness.families`) and ``llm-d``, the shared-prefix
+    generator with llm-d's published parameters and load ladder (override any of them, e.g.
+    ``llm-d:stages=10x60``).
 
     Raises:
         TraceError: an unknown generator or parameter, a bad value, or a bad trace file.
@@ -722,30 +530,7 @@ def parse_trace_spec(spec: str) -> Trace:
         raise TraceError(
             f"{spec!r}: not a file and not a generator; generators: {', '.join(GENERATORS)}"
         )
-    cls: Any = GENERATORS[name]
-    values: dict[str, Any] = {"stages": LLMD_STAGES} if name == "llm-d" else {}
-    fields_by_name = {f: t for f, t in cls.__annotations__.items()}
-    for item in filter(None, params_text.split(",")):
-        key, eq, raw = item.partition("=")
-        key = _SPEC_ALIASES.get(key.strip(), key.strip())
-        if not eq or key not in fields_by_name:
-            known = sorted(set(fields_by_name) | set(_SPEC_ALIASES))
-            raise TraceError(f"{name}: unknown parameter {item!r}; known: {', '.join(known)}")
-        kind = fields_by_name[key]
-        try:
-            if kind == "bool":
-                values[key] = raw.strip().lower() in ("1", "true", "yes")
-            elif kind == "int":
-                values[key] = int(raw)
-            elif kind == "float":
-                values[key] = float(raw)
-            else:
-                values[key] = raw
-        except ValueError:
-            raise TraceError(f"{name}: parameter {key!r}: bad value {raw!r}") from None
-    if name == "llm-d" and "stages" in values and "requests" in values:
-        values["stages"] = "" if values["stages"] == LLMD_STAGES else values["stages"]
-    trace: Trace = cls(**values).build(name)
+    trace = build_generator(name, params_text)
     trace.source = spec
     return trace
 
@@ -794,6 +579,21 @@ def slice_trace(
         for index, request in enumerate(requests)
     ]
     return Trace(trace.name, trace.block_tokens, sliced, trace.source, notes)
+
+
+def scale_rate(trace: Trace, factor: float) -> Trace:
+    """A new trace whose arrival rate is ``factor`` times the original's: every arrival time
+    divided by ``factor`` (the shape of the arrivals, bursts and think times included, is kept
+    and compressed alike).
+
+    Raises:
+        TraceError: ``factor`` is not a positive finite number.
+    """
+    if not (factor > 0 and math.isfinite(factor)):
+        raise TraceError(f"rate factor must be a positive number, got {factor}")
+    scaled = [replace(request, arrival_s=request.arrival_s / factor) for request in trace.requests]
+    notes = [*trace.notes, f"rate x{factor:g}"]
+    return Trace(trace.name, trace.block_tokens, scaled, trace.source, notes)
 
 
 def iter_ids(requests: Iterable[TraceRequest]) -> Iterator[int]:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from kv_picker_bench.harness.live import main as live_main
-from kv_picker_bench.harness.live import router_binary
+from kv_picker_bench.harness.live import router_binary, trace_requests
 from kv_picker_bench.harness.peers import main as peers_main
+from kv_picker_bench.harness.traces import CacheNamespaces, Trace, TraceRequest, prompt_text
 from kv_picker_bench.localstack import envoy_binary
 
 TINY = "shared-prefix:groups=3,users=2,context=300,question=40,output=12,requests=24,rate=20"
@@ -90,3 +91,21 @@ def test_peers_without_the_routers_is_a_usage_error(
     argv = [*COMMON, "--peer", "vllm-router:round_robin", "--out", str(tmp_path / "x")]
     assert peers_main(argv) == 2
     assert "peer router(s) not found: vllm-router" in capsys.readouterr().err
+
+
+def test_trace_requests_name_the_adapter_and_send_the_salt() -> None:
+    namespaces = CacheNamespaces()
+    names = [(None, None), ("sql", None), (None, "tenant-a"), ("sql", "tenant-b")]
+    requests = [
+        TraceRequest(
+            i, 0.5 * i, 40, 8, namespaces.apply([1, 2, 3], lora, salt), lora=lora, salt=salt
+        )
+        for i, (lora, salt) in enumerate(names)
+    ]
+    sent = trace_requests(Trace("t", 16, requests), "base-model")
+    assert [arrival_s for arrival_s, _ in sent] == [0.0, 0.5, 1.0, 1.5]
+    bodies = [http.body for _, http in sent]
+    assert [b["model"] for b in bodies] == ["base-model", "sql", "base-model", "sql"]
+    assert [b.get("cache_salt") for b in bodies] == [None, None, "tenant-a", "tenant-b"]
+    assert len({b["prompt"] for b in bodies}) == 1  # the same text: only the names differ
+    assert bodies[0]["prompt"] == prompt_text(requests[0], 16)

@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import pytest
 
+from kv_picker.director import RoutedRequest
+from kv_picker.request import LLMRequest
 from kv_picker_bench.harness.policies import (
     DynamoCostPicker,
     Policy,
@@ -24,7 +26,14 @@ from kv_picker_bench.harness.simulator import (
     EndpointSetup,
     block_keys,
 )
-from kv_picker_bench.harness.traces import ChatSpec, prompt_text, slice_trace
+from kv_picker_bench.harness.traces import (
+    CacheNamespaces,
+    ChatSpec,
+    Trace,
+    TraceRequest,
+    prompt_text,
+    slice_trace,
+)
 from kv_picker_bench.sim.engine import EngineConfig, SimEngine, hardware_class
 from kv_picker_bench.sim.tokenizer import encode
 from tests.benchmarks.harness.conftest import make_trace, simulate, small_cluster, small_trace
@@ -280,3 +289,46 @@ def test_a_chat_turn_hits_the_blocks_decode_filled() -> None:
     assert second.prompt_tokens == 90 and second.cached_tokens == 64
     without = simulate(trace, replace(config, cache_output_blocks=False), "round-robin")
     assert without.outcomes[1].cached_tokens == 48
+
+
+def test_adapters_and_salts_reach_the_picker_and_keep_caches_apart() -> None:
+    # One endpoint and one content: only the adapter or the salt tells the requests apart.
+    namespaces = CacheNamespaces()
+    content = list(range(1, 9))  # 128 tokens, 7 blocks can hit
+    names = [(None, "a"), (None, "b"), (None, "a"), ("x", None), ("x", None), (None, None)]
+    requests = [
+        TraceRequest(
+            i, float(i), 128, 4, namespaces.apply(content, lora, salt), lora=lora, salt=salt
+        )
+        for i, (lora, salt) in enumerate(names)
+    ]
+    trace = Trace("namespaces", 16, requests)
+    registry = harness_registry()
+    simulator = ClusterSimulator(
+        trace,
+        small_cluster(1, num_gpu_blocks=200),
+        resolve_policy("kv-picker").config(registry),
+        registry,
+    )
+    seen: list[tuple[object, ...]] = []
+    route = simulator.director.route
+
+    def spy(request: LLMRequest) -> RoutedRequest:
+        seen.append((request.model, request.target_model, request.lora_adapter, request.cache_salt))
+        texts.append(request.prompt.text)
+        return route(request)
+
+    texts: list[str] = []
+    simulator.director.route = spy  # type: ignore[method-assign]
+    result = simulator.run()
+    model = simulator.config.model
+    assert seen == [
+        (model, model, None, "a"),
+        (model, model, None, "b"),
+        (model, model, None, "a"),
+        ("x", model, "x", None),
+        ("x", model, "x", None),
+        (model, model, None, None),
+    ]
+    assert len(set(texts)) == 1  # the same characters under every adapter and salt
+    assert [o.cached_tokens for o in result.outcomes] == [0, 0, 112, 0, 112, 0]

@@ -13,11 +13,13 @@ from kv_picker_bench.harness.traces import (
     ChatSpec,
     SharedPrefixSpec,
     TraceError,
+    TraceRequest,
     block_text,
     load_trace,
     parse_stages,
     parse_trace_spec,
     prompt_text,
+    scale_rate,
     slice_trace,
     write_kv_picker_jsonl,
 )
@@ -142,12 +144,28 @@ def test_kv_picker_format_with_ids_and_text(tmp_path: Path) -> None:
             "does not match",
         ),
         ({"kv_picker_trace": 1, "block_tokens": 16}, "the header must be the first line"),
+        ({"arrival_s": 0, "output_tokens": 1, "prompt": "x", "lora": 5}, "field 'lora'"),
+        ({"arrival_s": 0, "output_tokens": 1, "prompt": "x", "cache_salt": ""}, "'cache_salt'"),
+        (
+            {
+                "arrival_s": 0,
+                "output_tokens": 1,
+                "input_tokens": 3,
+                "hash_ids": [2**40],
+                "cache_salt": "a",
+            },
+            "field 'hash_ids': ids must be below 2**40",
+        ),
+        (
+            {"arrival_s": 0, "output_tokens": 1, "input_tokens": 3, "hash_ids": [2**41]},
+            "field 'hash_ids': ids must be below 2**40",
+        ),
     ],
 )
 def test_kv_picker_format_bad_rows(tmp_path: Path, row: dict, fragment: str) -> None:
-    path = write_lines(
-        tmp_path / "k.jsonl", [{"arrival_s": 0, "prompt": "hi", "output_tokens": 1}, row]
-    )
+    # The first row names a salt, so ids of any row must leave room for namespaces.
+    first = {"arrival_s": 0, "prompt": "hi", "output_tokens": 1, "cache_salt": "t"}
+    path = write_lines(tmp_path / "k.jsonl", [first, row])
     with pytest.raises(TraceError) as info:
         load_trace(path, fmt="kv-picker")
     assert str(info.value).startswith(f"{path}:2:")
@@ -169,6 +187,71 @@ def test_write_and_read_back(tmp_path: Path) -> None:
     assert [(r.input_tokens, r.hash_ids, r.session) for r in again.requests] == [
         (r.input_tokens, r.hash_ids, r.session) for r in trace.requests
     ]
+
+
+def test_adapters_and_salts_keep_equal_content_apart(tmp_path: Path) -> None:
+    row = {"arrival_s": 0, "input_tokens": 40, "output_tokens": 8, "hash_ids": [1, 2, 3]}
+    variants = [{}, {"lora": "a"}, {"lora": "b"}, {"cache_salt": "t"}, {"lora": "a"}]
+    variants.append({"lora": "a", "cache_salt": "t"})
+    path = write_lines(
+        tmp_path / "n.jsonl", [row | v | {"arrival_s": i} for i, v in enumerate(variants)]
+    )
+    trace = load_trace(path)
+    plain, lora_a, lora_b, salted, lora_a_again, both = trace.requests
+    assert plain.hash_ids == [1, 2, 3] and plain.lora is None and plain.salt is None
+    assert lora_a.lora == "a" and salted.salt == "t" and (both.lora, both.salt) == ("a", "t")
+    assert lora_a_again.hash_ids == lora_a.hash_ids
+    distinct = [plain, lora_a, lora_b, salted, both]
+    for first, second in itertools.combinations(distinct, 2):
+        assert set(first.hash_ids).isdisjoint(second.hash_ids)
+    assert all(r.content_ids == [1, 2, 3] for r in trace.requests)
+    assert len({prompt_text(r, 16) for r in trace.requests}) == 1  # the same text for all
+
+    again = tmp_path / "again.jsonl"
+    write_kv_picker_jsonl(trace, again)
+    written = [json.loads(line) for line in again.read_text().splitlines()[1:]]
+    assert [r["hash_ids"] for r in written] == [[1, 2, 3]] * len(variants)
+    assert [(r.get("lora"), r.get("cache_salt")) for r in written] == [
+        (v.get("lora"), v.get("cache_salt")) for v in variants
+    ]
+    assert [r.hash_ids for r in load_trace(again).requests] == [r.hash_ids for r in trace.requests]
+
+
+@pytest.mark.parametrize("family", ["lora", "tenants", "agentic"])
+def test_families_survive_a_round_trip_through_the_file(tmp_path: Path, family: str) -> None:
+    sizes = {"lora": "requests=80", "tenants": "requests=80", "agentic": "sessions=3"}
+    trace = parse_trace_spec(f"{family}:seed=2,{sizes[family]}")
+    path = tmp_path / "t.jsonl"
+    write_kv_picker_jsonl(trace, path)
+    again = load_trace(path)
+
+    def fields(r: TraceRequest) -> tuple[object, ...]:
+        return (r.input_tokens, r.content_ids, r.output_content_ids, r.lora, r.salt, r.session)
+
+    assert [fields(r) for r in again.requests] == [fields(r) for r in trace.requests]
+    # The same blocks are equal and the same blocks differ (the namespaces' numbers may not).
+    pairs = {
+        (a, b)
+        for x, y in zip(trace.requests, again.requests, strict=True)
+        for a, b in zip(x.hash_ids, y.hash_ids, strict=True)
+    }
+    assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == len(pairs)
+
+
+def test_scale_rate_divides_arrival_times() -> None:
+    trace = SharedPrefixSpec(groups=2, users=2, requests=20, rate=10).build()
+    faster = scale_rate(trace, 4.0)
+    assert [r.arrival_s for r in faster.requests] == pytest.approx(
+        [r.arrival_s / 4 for r in trace.requests]
+    )
+    assert [r.hash_ids for r in faster.requests] == [r.hash_ids for r in trace.requests]
+    assert faster.notes == ["rate x4"] and trace.notes == []
+    assert faster.summary()["rate_per_s"] == pytest.approx(
+        4 * trace.summary()["rate_per_s"], rel=1e-3
+    )
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(TraceError, match="rate factor"):
+            scale_rate(trace, bad)
 
 
 def test_text_is_one_word_per_token_and_equal_ids_give_equal_prefixes() -> None:
