@@ -12,6 +12,7 @@ COMMANDS = {
     "precise-vs-approx": "kv_picker_bench.precise_vs_approx",
     "replay": "kv_picker_bench.harness.replay",
     "sweep": "kv_picker_bench.harness.sweep",
+    "matrix": "kv_picker_bench.harness.matrix",
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
 }
@@ -27,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")
         print("  replay     offline trace replay: every routing policy on the cluster simulator")
         print("  sweep      offline replay at several offered loads x policies")
+        print("  matrix     every policy on workload families x loads x clusters x timings")
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
         return 0 if args and args[0] in ("-h", "--help") else 2

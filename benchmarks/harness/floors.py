@@ -13,10 +13,14 @@ the engine chunks them, with no waiting: the *strict* floor with the unbounded c
 *practical* floor with the pooled LRU. Reports give each policy's TTFT as a ratio to the
 practical floor (mean to mean, p90 to p90, ...).
 
-The floors also define offered load: the practical floor is the least prefill time the
-cluster must spend on a request, so ``sum(floors) / (duration × capacity)``, with capacity in
-endpoints of the fastest class, is the fraction of the cluster's prefill capacity a perfect
-router would keep busy (:func:`offered_load`, :func:`scale_to_load`).
+The floors also define offered load. The practical floor is the least prefill time the
+cluster must spend on a request, so ``sum(floors) / (span × capacity)``, with capacity in
+endpoints of the fastest prefill class, is the share of the cluster's prefill capacity a
+perfect router keeps busy. Decode is the other resource a request consumes: its output tokens,
+each a share of a full batch's step (the step's fixed cost over ``max_num_seqs``, plus the read
+of the request's own KV), against the decode endpoints' capacity. Offered load is the larger
+of the two (:func:`offered_load`, :func:`scale_to_load`): with prefix reuse near 95%, prefill
+work alone would call a cluster 30% loaded whose decode batches are already full.
 """
 
 from __future__ import annotations
@@ -130,7 +134,10 @@ class Floors:
     practical_s: list[float]
 
     def stats(self) -> dict[str, dict[str, float]]:
-        return {"strict": latency_stats(self.strict_s), "practical": latency_stats(self.practical_s)}
+        return {
+            "strict": latency_stats(self.strict_s),
+            "practical": latency_stats(self.practical_s),
+        }
 
 
 def ttft_floors(trace: Trace, config: ClusterConfig, caches: IdealCaches | None = None) -> Floors:
@@ -164,11 +171,62 @@ def prefill_capacity(config: ClusterConfig) -> float:
     return sum(c.prefill_speed for c in prefill_classes(config)) / fastest
 
 
-def offered_load(trace: Trace, config: ClusterConfig, floors: Floors | None = None) -> float:
-    """The fraction of the cluster's prefill capacity a perfect router keeps busy."""
+def decode_classes(config: ClusterConfig) -> list[HardwareClass]:
+    """Hardware classes of the endpoints that decode (all but prefill-only ones)."""
+    classes = [hardware_class(e.hardware) for e in config.endpoints if e.role != "prefill"]
+    return classes or [hardware_class(e.hardware) for e in config.endpoints]
+
+
+def decode_work_s(trace: Trace, config: ClusterConfig) -> float:
+    """Seconds of full-batch decode on an endpoint of the fastest decode class, all requests.
+
+    Each output token costs its share of a full batch's step (the step's fixed cost over
+    ``max_num_seqs``, the per-sequence cost) and the read of the request's KV so far.
+    """
+    timing = config.timing
+    per_token_s = timing.step_base_s / config.max_num_seqs + timing.step_per_seq_s
+    total_s = 0.0
+    for request in trace.requests:
+        out = request.output_tokens
+        context_tokens = out * request.input_tokens + out * (out - 1) / 2
+        total_s += out * per_token_s + timing.kv_read_s_per_token * context_tokens
+    fastest = max(c.decode_speed for c in decode_classes(config))
+    return total_s / fastest
+
+
+def decode_capacity(config: ClusterConfig) -> float:
+    """The cluster's decode capacity in endpoints of its fastest decode class."""
+    classes = decode_classes(config)
+    fastest = max(c.decode_speed for c in classes)
+    return sum(c.decode_speed for c in classes) / fastest
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Offered load: the shares of prefill and decode capacity a perfect router keeps busy."""
+
+    prefill: float
+    decode: float
+
+    @property
+    def binding(self) -> float:
+        return max(self.prefill, self.decode)
+
+
+def load_of(trace: Trace, config: ClusterConfig, floors: Floors | None = None) -> Load:
+    """Prefill and decode load of a trace on a cluster (see the module docstring)."""
     floors = floors or ttft_floors(trace, config)
     span_s = _span_s(trace)
-    return sum(floors.practical_s) / (span_s * prefill_capacity(config)) if span_s > 0 else 0.0
+    if not span_s > 0:
+        return Load(0.0, 0.0)
+    prefill = sum(floors.practical_s) / (span_s * prefill_capacity(config))
+    decode = decode_work_s(trace, config) / (span_s * decode_capacity(config))
+    return Load(prefill, decode)
+
+
+def offered_load(trace: Trace, config: ClusterConfig, floors: Floors | None = None) -> float:
+    """The share of the cluster's binding resource (prefill or decode) a perfect router uses."""
+    return load_of(trace, config, floors).binding
 
 
 def scale_to_load(

@@ -376,6 +376,9 @@ def run_live(argv: Sequence[str], command: str) -> int:
         "--max-model-len",
         str(config.max_model_len),
     )
+    adapters = sorted({r.lora for r in trace.requests if r.lora})
+    if adapters:  # the endpoints must serve every adapter the trace names
+        sim_args = (*sim_args, "--lora-modules", *adapters, "--max-loras", str(len(adapters)))
     folder = results_dir(args, command, trace.name)
     text = record_command(folder, command, argv)
     body_mode = getattr(args, "body_mode", "FULL_DUPLEX_STREAMED")

@@ -16,10 +16,12 @@ tenants
   (:mod:`~kv_picker_bench.harness.traces`), plus a window of the Mooncake conversation trace.
   Each is in the *tuning* set (defaults and weights may be chosen on it) or the *held-out* set
   (reported, never tuned on): :data:`FAMILIES` names the split.
-- **Load** is the fraction of the cluster's prefill capacity a perfect router would keep busy:
-  each request's practical zero-queue floor summed over the arrival span, over the cluster's
-  prefill capacity (:func:`~kv_picker_bench.harness.floors.scale_to_load`). 1.0 means even
-  perfect routing with a pooled cache has no idle prefill time.
+- **Load** is the share of the cluster's binding resource a perfect router would keep busy
+  (:func:`~kv_picker_bench.harness.floors.scale_to_load`): prefill (each request's practical
+  zero-queue floor, summed over the arrival span, over the prefill capacity) or decode (output
+  tokens at full batches over the decode capacity), whichever is larger. 1.0 means even
+  perfect routing with a pooled cache keeps that resource busy all the time. Prefill alone is
+  not enough: with 95% prefix reuse, 30% of prefill capacity already fills every decode batch.
 - **Clusters**: 16 identical H100s; a mixed H100/A100/L4 pool; 4 H100s; P/D (4 prefill + 12
   decode H100s, policies under the service's pd-profile-handler) for long-prompt families.
 - Every cell runs every policy: the six baselines, the built-in default (``kv-picker``) and
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,21 +48,23 @@ from typing import Any
 from kv_picker_bench.harness.args import (
     EXIT_OK,
     UsageError,
+    parse_loads,
     record_command,
     results_dir,
     run_command,
 )
 from kv_picker_bench.harness.floors import (
-    IdealCaches,
     Floors,
+    IdealCaches,
+    Load,
     floor_ratios,
     ideal_caches,
-    offered_load,
+    load_of,
     scale_to_load,
     ttft_floors,
 )
+from kv_picker_bench.harness.paths import TRACES_ENV, find_trace, traces_dir
 from kv_picker_bench.harness.policies import (
-    BASELINES,
     Policy,
     harness_registry,
     pd_variant,
@@ -68,6 +73,7 @@ from kv_picker_bench.harness.policies import (
 from kv_picker_bench.harness.report import PolicyMetrics, summarize, write_json
 from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
 from kv_picker_bench.harness.traces import Trace, parse_trace_spec, slice_trace
+from kv_picker_bench.sim.timing import TIMING_PROFILES, describe_profiles, timing_profile
 
 TUNING = "tuning"
 HELD_OUT = "held-out"
@@ -97,13 +103,56 @@ class Family:
     long_prompts: bool = False
 
 
-FAMILIES: dict[str, Family] = {}
-"""The matrix's families, filled by :func:`register_families`."""
+# The Mooncake conversation trace: a window from its middle, where caches are warm enough to
+# matter (requests from 1,800 s to 2,000 s of the hour).
+CONVERSATION_WINDOW_S = (1800.0, 2000.0)
 
-
-def register_families(families: Sequence[Family]) -> None:
-    for family in families:
-        FAMILIES[family.name] = family
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        # Tuning set: defaults and weights may be chosen on these.
+        Family("conversation", "conversation", "conversation", TUNING, long_prompts=True),
+        Family(
+            "shared-prefix",
+            "shared-prefix:seed=1,requests=600",
+            "shared-prefix:seed=1,requests=120,groups=12",
+            TUNING,
+        ),
+        Family("chat", "chat:seed=1,sessions=120", "chat:seed=1,sessions=25", TUNING),
+        Family(
+            "zipf-prefix",
+            "zipf-prefix:seed=1,requests=600",
+            "zipf-prefix:seed=1,requests=120",
+            TUNING,
+        ),
+        Family(
+            "agentic",
+            "agentic:seed=1,sessions=24",
+            "agentic:seed=1,sessions=6",
+            TUNING,
+            long_prompts=True,
+        ),
+        # Held out: reported, never tuned on.
+        Family(
+            "long-doc-qa",
+            "long-doc-qa:seed=1,sessions=60",
+            "long-doc-qa:seed=1,sessions=12",
+            HELD_OUT,
+            long_prompts=True,
+        ),
+        Family("rag", "rag:seed=1,requests=600", "rag:seed=1,requests=120", HELD_OUT),
+        Family(
+            "mixed",
+            "mixed:seed=1,requests=600",
+            "mixed:seed=1,requests=120",
+            HELD_OUT,
+            long_prompts=True,
+        ),
+        Family("lora", "lora:seed=1,requests=600", "lora:seed=1,requests=120", HELD_OUT),
+        Family("tenants", "tenants:seed=1,requests=600", "tenants:seed=1,requests=120", HELD_OUT),
+    )
+}
+"""The matrix's families and their split (module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +171,8 @@ class ClusterShape:
 
     def config(self, **overrides: Any) -> ClusterConfig:
         setups = tuple(
-            EndpointSetup(role, hardware) for role, hardware, count in self.endpoints
+            EndpointSetup(role, hardware)
+            for role, hardware, count in self.endpoints
             for _ in range(count)
         )
         return ClusterConfig(endpoints=setups, **overrides)
@@ -160,6 +210,26 @@ class CellResult:
     metrics: dict[str, PolicyMetrics]
     floors: dict[str, dict[str, float]]
     hit_bounds: dict[str, float]
+    prefill_load: float = math.nan
+    decode_load: float = math.nan
+
+
+def family_trace(family: Family, quick: bool) -> Trace:
+    """The family's workload (the conversation family: a window of the Mooncake trace)."""
+    spec = family.quick_spec if quick else family.spec
+    if spec == "conversation":
+        found = find_trace("conversation", traces_dir())
+        if found is None:
+            raise UsageError(
+                f"the conversation family needs conversation_trace.jsonl in {traces_dir()} "
+                f"(set {TRACES_ENV}), or leave it out with --families"
+            )
+        trace = parse_trace_spec(str(found))
+        trace = slice_trace(trace, window_s=CONVERSATION_WINDOW_S, first=150 if quick else None)
+    else:
+        trace = parse_trace_spec(spec)
+    trace.name = family.name
+    return trace
 
 
 # ----------------------------------------------------------------------------- running
@@ -203,6 +273,7 @@ class MatrixPlan:
     configs: dict[Cell, ClusterConfig]
     floors: dict[Cell, Floors]
     caches: dict[Cell, IdealCaches]
+    loads: dict[Cell, Load]
     policies: list[Policy]
     pd_policies: list[Policy] = field(default_factory=list)
 
@@ -235,11 +306,11 @@ def plan_matrix(
     configs: dict[Cell, ClusterConfig] = {}
     floors: dict[Cell, Floors] = {}
     caches: dict[Cell, IdealCaches] = {}
+    cell_loads: dict[Cell, Load] = {}
     base_traces: dict[str, Trace] = {}
     for name in families:
         family = FAMILIES[name]
-        base_traces[name] = parse_trace_spec(family.quick_spec if quick else family.spec)
-        base_traces[name].name = name
+        base_traces[name] = family_trace(family, quick)
     for timing in timings:
         for name in families:
             family = FAMILIES[name]
@@ -259,8 +330,11 @@ def plan_matrix(
                     configs[cell] = config
                     floors[cell] = base_floors  # the floors do not depend on arrival times
                     caches[cell] = cell_caches
+                    cell_loads[cell] = load_of(trace, config, base_floors)
     pd_policies = [pd_variant(p) for p in policies]
-    return MatrixPlan(cells, traces, configs, floors, caches, list(policies), pd_policies)
+    return MatrixPlan(
+        cells, traces, configs, floors, caches, cell_loads, list(policies), pd_policies
+    )
 
 
 def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[CellResult]:
@@ -307,6 +381,8 @@ def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[Cell
                 by_cell[cell],
                 plan.floors[cell].stats(),
                 plan.caches[cell].hit_ratios(),
+                plan.loads[cell].prefill,
+                plan.loads[cell].decode,
             )
         )
     return results
@@ -410,7 +486,11 @@ def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
             finite = [v for v in values if v > 0 and math.isfinite(v)]
             return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
 
-        def worst(pick: Callable[[Ratios], float], highest: bool) -> tuple[float, str]:
+        def worst(
+            pick: Callable[[Ratios], float],
+            highest: bool,
+            items: list[tuple[Cell, Ratios]] = items,
+        ) -> tuple[float, str]:
             cell, ratios = (max if highest else min)(items, key=lambda item: pick(item[1]))
             return pick(ratios), cell.label
 
@@ -439,7 +519,8 @@ def _cell_table(result: CellResult) -> list[str]:
     practical = result.floors["practical"]
     lines = [
         f"#### {result.cell.label} ({result.requests} requests, "
-        f"{result.offered_rate_per_s:.2f} req/s)",
+        f"{result.offered_rate_per_s:.2f} req/s; prefill load {result.prefill_load:.2f}, "
+        f"decode load {result.decode_load:.2f})",
         "",
         "| policy | TTFT s mean / p90 / p99 | x floor (mean / p90) | output tok/s | hit ratio "
         "| ratio to best: mean / p90 / p99 / throughput |",
@@ -469,9 +550,7 @@ def _cell_table(result: CellResult) -> list[str]:
     return lines
 
 
-def markdown_report(
-    title: str, command: str, results: Sequence[CellResult], wall_s: float
-) -> str:
+def markdown_report(title: str, command: str, results: Sequence[CellResult], wall_s: float) -> str:
     summaries = summarize_policies(results)
     lines = [f"# {title}", "", f"Command: `{command}`", ""]
     for split in (TUNING, HELD_OUT):
@@ -533,7 +612,9 @@ def results_json(command: str, results: Sequence[CellResult], wall_s: float) -> 
             name: {"spec": f.spec, "split": f.split, "long_prompts": f.long_prompts}
             for name, f in FAMILIES.items()
         },
-        "summary": [s.__dict__ if hasattr(s, "__dict__") else _slots(s) for s in summarize_policies(results)],
+        "summary": [
+            s.__dict__ if hasattr(s, "__dict__") else _slots(s) for s in summarize_policies(results)
+        ],
         "cells": [
             {
                 "family": r.cell.family,
@@ -542,6 +623,8 @@ def results_json(command: str, results: Sequence[CellResult], wall_s: float) -> 
                 "timing": r.cell.timing,
                 "requests": r.requests,
                 "rate_per_s": r.offered_rate_per_s,
+                "prefill_load": r.prefill_load,
+                "decode_load": r.decode_load,
                 "floors": r.floors,
                 "hit_bounds": r.hit_bounds,
                 "default_verdict": _verdict_json(default_verdict(r)),
@@ -561,3 +644,179 @@ def _verdict_json(verdict: Verdict | None) -> dict[str, Any] | None:
     if verdict is None:
         return None
     return {"passed": verdict.passed, "reasons": list(verdict.reasons)}
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_default_heatmap(results: Sequence[CellResult], path: Path) -> None:
+    """The default's worst ratio to the best policy per cell (TTFT mean, p90, 1/throughput)."""
+    from kv_picker_bench.harness.report import _pyplot
+
+    plt = _pyplot()
+    rows = sorted({(r.cell.family, r.cell.cluster, r.cell.timing) for r in results})
+    loads = sorted({r.cell.load for r in results})
+    values = [[math.nan] * len(loads) for _ in rows]
+    for result in results:
+        mine = cell_ratios(result).get(DEFAULT_POLICY)
+        if mine is None:
+            continue
+        worst = max(mine.ttft_mean, mine.ttft_p90, 1 / mine.throughput if mine.throughput else 9)
+        row = rows.index((result.cell.family, result.cell.cluster, result.cell.timing))
+        values[row][loads.index(result.cell.load)] = worst
+    figure, axes = plt.subplots(figsize=(6, 0.28 * len(rows) + 1.5))
+    image = axes.imshow(values, aspect="auto", cmap="RdYlGn_r", vmin=1.0, vmax=1.5)
+    axes.set_xticks(range(len(loads)), [f"{load:g}" for load in loads])
+    axes.set_yticks(range(len(rows)), [" / ".join(row) for row in rows], fontsize=7)
+    axes.set_xlabel("offered load (of prefill capacity)")
+    axes.set_title(f"{DEFAULT_POLICY}: worst ratio to the best policy per cell", fontsize=9)
+    for i, row_values in enumerate(values):
+        for j, value in enumerate(row_values):
+            if not math.isnan(value):
+                axes.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6)
+    figure.colorbar(image, ax=axes, fraction=0.04)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_policy_ratios(summaries: Sequence[PolicySummary], path: Path) -> None:
+    """Geometric-mean and worst-cell TTFT ratios to the best, per policy."""
+    from kv_picker_bench.harness.report import _pyplot
+
+    plt = _pyplot()
+    names = [s.policy for s in summaries]
+    figure, axes = plt.subplots(figsize=(7, 3.2))
+    positions = range(len(names))
+    axes.bar([p - 0.2 for p in positions], [s.geo_ttft_mean for s in summaries], 0.4,
+             label="TTFT mean, geometric mean over cells")  # fmt: skip
+    axes.bar([p + 0.2 for p in positions], [s.worst_ttft_mean[0] for s in summaries], 0.4,
+             label="TTFT mean, worst cell")  # fmt: skip
+    axes.axhline(PASS_RATIO, color="grey", linewidth=0.8, linestyle="--")
+    axes.set_yscale("log")
+    axes.set_xticks(list(positions), names, rotation=30, ha="right", fontsize=8)
+    axes.set_ylabel("ratio to the best policy of the cell")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def _timing_overrides(name: str) -> dict[str, Any]:
+    profile = timing_profile(name)
+    return {
+        "timing": profile,
+        "num_gpu_blocks": profile.kv_capacity_tokens // 16,
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
+    }
+
+
+def _names(text: str, known: Sequence[str], what: str) -> list[str]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UsageError(f"--{what}: unknown {', '.join(unknown) or 'nothing'}; known: "
+                         f"{', '.join(known)}")  # fmt: skip
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kv-picker bench matrix",
+        description="Every policy on every cell of workload family x offered load x cluster "
+        "shape x timing profile, offline; each policy's ratio to the best per cell, and "
+        "whether the default is within 5% of the best everywhere.",
+    )
+    parser.add_argument(
+        "--families",
+        default="all",
+        help="comma list, or tuning, held-out, all (default); families: "
+        + ", ".join(f"{f.name} ({f.split})" for f in FAMILIES.values()),
+    )
+    parser.add_argument(
+        "--loads",
+        default=",".join(f"{load:g}" for load in DEFAULT_LOADS),
+        help="offered loads as fractions of the cluster's prefill capacity (default "
+        "0.3,0.6,0.9,1.2)",
+    )
+    parser.add_argument(
+        "--clusters",
+        default=",".join(CLUSTERS),
+        help=f"comma list of {', '.join(CLUSTERS)} (default all; pd runs on long-prompt "
+        "families only)",
+    )
+    parser.add_argument(
+        "--timing",
+        default=",".join(name for name in TIMING_PROFILES if name != "legacy"),
+        help=f"comma list of timing profiles (default all but legacy): {describe_profiles()}",
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME|NAME=FILE|FILE",
+        help="policies (default: the six baselines and the built-in default); repeatable",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small traces, for a smoke run (the test suite runs one)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
+    )
+    parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
+    parser.add_argument("--title", default="", help="title of the Markdown report")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _families(text: str) -> list[str]:
+    if text in ("all", TUNING, HELD_OUT):
+        return [f.name for f in FAMILIES.values() if text in ("all", f.split)]
+    return _names(text, list(FAMILIES), "families")
+
+
+def _matrix(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    started = time.perf_counter()
+    families = _families(args.families)
+    loads = parse_loads(args.loads)
+    clusters = _names(args.clusters, list(CLUSTERS), "clusters")
+    timings = _names(args.timing, list(TIMING_PROFILES), "timing")
+    policies = resolve_policies(args.policy)
+    registry = harness_registry()
+    for policy in policies:
+        policy.config(registry)  # fail before any work on a bad config
+    plan = plan_matrix(families, loads, clusters, timings, policies, args.quick, _timing_overrides)
+    folder = results_dir(args, "matrix", "matrix")
+    command = record_command(folder, "matrix", argv)
+    if not args.quiet:
+        print(
+            f"matrix: {len(plan.cells)} cells x {len(policies)} policies "
+            f"({len(plan.jobs())} runs) -> {folder}",
+            file=sys.stderr,
+        )
+    results = run_matrix(plan, args.seed, args.jobs, args.quiet)
+    wall_s = time.perf_counter() - started
+    title = args.title or "Routing-policy matrix"
+    text = markdown_report(title, command, results, wall_s)
+    (folder / "matrix.md").write_text(text, encoding="utf-8")
+    write_json(folder / "matrix.json", results_json(command, results, wall_s))
+    if not args.no_plots:
+        plot_default_heatmap(results, folder / "default_heatmap.png")
+        plot_policy_ratios(summarize_policies(results), folder / "policy_ratios.png")
+    print(text)
+    print(f"results: {folder}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kv-picker bench matrix``: returns the exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    return run_command("matrix", arguments, lambda: _matrix(arguments))
