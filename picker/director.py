@@ -8,7 +8,7 @@ prepare(request)     ─> awaitable | None      plugins' async work (tokenize, f
 route(request, metadata) ─> RoutedRequest     candidates → admission → schedule → the pick:
    │                                          in-flight slot taken, queued prefill counted
    ├── first_byte()                           the prompt has been processed: prefill done
-   └── finish()                               the response ended: slot released (once)
+   └── finish(output_tokens)                  the response ended: slot released (once)
 ```
 
 Nothing here speaks a protocol: ``handlers/`` maps :class:`~kv_picker.errors.PickerError` to
@@ -93,8 +93,13 @@ class RoutedRequest:
         if prefill is not None:
             self._director._end_prefill(*prefill)
 
-    def finish(self) -> None:
-        """The response ended, or the stream closed: release the in-flight slot (once)."""
+    def finish(self, output_tokens: int | None = None) -> None:
+        """The response ended, or the stream closed: release the in-flight slot (once).
+
+        Args:
+            output_tokens: the completion tokens the endpoint reported in the response's
+                usage, None when it reported none.
+        """
         self.first_byte()
         if self._finished:
             return
