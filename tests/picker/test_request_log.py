@@ -1,5 +1,5 @@
 """The request log: its rows load as a Mooncake trace, carry no text, chain and salt their ids,
-rotate within bounds, and drop instead of blocking."""
+rotate within bounds, drop instead of blocking, and stay off unless configured."""
 
 from __future__ import annotations
 
@@ -15,18 +15,20 @@ from typing import Any
 
 import pytest
 import xxhash
+import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_picker.config import RequestLogConfig, parse_config
+from kv_picker.app import PickerApp
+from kv_picker.config import RequestLogConfig, load_config, parse_config
 from kv_picker.director import Director
 from kv_picker.errors import ConfigError
 from kv_picker.handlers.extproc import RequestStream
 from kv_picker.plugins import builtin_registry
 from kv_picker.request import LLMRequest, Prompt
-from kv_picker.request_log import RequestLog, salt_fingerprint
+from kv_picker.request_log import ARRIVAL_STATE, RequestLog, salt_fingerprint
 from kv_picker.scheduling.signals import PROMPT_TOKENS
 from kv_picker.state.hashing import chain_root
 from kv_picker_bench.harness.traces import load_mooncake, load_trace
@@ -35,6 +37,7 @@ from tests.picker.handlers.test_extproc_stream import body_message, headers_mess
 
 REGISTRY = builtin_registry(include_entry_points=False)
 BLOCK_CHARS = 4 * 512
+WRITER_THREAD = "kv-picker-request-log"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -532,3 +535,59 @@ def test_the_config_section_is_optional_with_defaults() -> None:
 def test_bad_config_sections_are_errors(section: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config({"requestLog": section}, REGISTRY)
+
+
+def write_config(path: Path, **overrides: object) -> Path:
+    document: dict[str, object] = {
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "endpoints": [{"address": "127.0.0.1:9"}],
+    }
+    document.update(overrides)
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == WRITER_THREAD]
+
+
+def ready_request(app: PickerApp, prompt: str) -> None:
+    """Route and finish one request through the app's director (its endpoint marked ready)."""
+    for endpoint in app.store.all():
+        app.store.update_metrics(endpoint.id, waiting=0.0, running=0.0, kv_usage=0.0)
+    request = app.director.parse(completion(prompt), {})
+    assert ARRIVAL_STATE in request.state or app.request_log is None
+    app.director.route(request).finish(output_tokens=3)
+
+
+async def test_the_log_is_off_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path / "c.yaml")
+    app = PickerApp(load_config(config, REGISTRY), REGISTRY)
+    assert app.request_log is None and app.director.request_log is None
+    await app.start()
+    try:
+        assert not writer_threads()
+        request = app.director.parse(completion("abcd" * 600), {})
+        assert ARRIVAL_STATE not in request.state
+        ready_request(app, "abcd" * 600)
+        assert "kv_picker_request_log" not in app.metrics.exposition().decode()
+    finally:
+        await app.stop(grace_s=0.5)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
+
+
+async def test_the_app_writes_the_log_and_flushes_it_on_stop(tmp_path: Path) -> None:
+    log_path = tmp_path / "logs" / "requests.jsonl"
+    config = write_config(tmp_path / "c.yaml", requestLog={"path": str(log_path), "salt": "x"})
+    app = PickerApp(load_config(config, REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        assert len(writer_threads()) == 1
+        for i in range(3):
+            ready_request(app, words(f"q{i}", 700))
+    finally:
+        await app.stop(grace_s=0.5)
+    assert not writer_threads()
+    assert [row["output_length"] for row in rows_of(log_path)] == [3, 3, 3]
+    assert "kv_picker_request_log_rows_total 3.0" in app.metrics.exposition().decode()
