@@ -7,6 +7,7 @@ PickerApp.start()
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
+  ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
 """
@@ -35,6 +36,7 @@ from kv_picker.errors import ConfigError
 from kv_picker.handlers.extproc import ExternalProcessor
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
+from kv_picker.request_log import RequestLog
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
@@ -84,7 +86,15 @@ class PickerApp:
             kv_index=self.kv_index,
         )
         scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
-        self.director = Director(config, self.store, scheduler, self.ctx.rng, self.metrics)
+        # Like the KV index, the request log keeps its settings until a restart.
+        self.request_log = (
+            RequestLog.from_config(config.request_log, self.metrics.registry, clock)
+            if config.request_log is not None
+            else None
+        )
+        self.director = Director(
+            config, self.store, scheduler, self.ctx.rng, self.metrics, self.request_log
+        )
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
         self.scraper = MetricsScraper(
             self.store,
@@ -107,6 +117,8 @@ class PickerApp:
 
     async def start(self) -> None:
         config = self.config
+        if self.request_log is not None:  # before the first stream can be routed
+            self.request_log.start()
         # A buffered body arrives in one message; accept up to twice the body limit (the buffer
         # limit the reference Envoy config sets) so an oversized body gets our JSON 413 rather
         # than a gRPC error that Envoy turns into a bare 500.
@@ -175,6 +187,8 @@ class PickerApp:
         self._tasks.clear()
         if self.kv_index is not None:
             await self.kv_index.close()
+        if self.request_log is not None:  # the streams have ended: their rows are queued
+            await asyncio.to_thread(self.request_log.close)
         if self._http_runner is not None:
             await self._http_runner.cleanup()
 
@@ -219,9 +233,13 @@ class PickerApp:
             log.warning(
                 "server settings changed in %s: they take effect on restart", self.config_path
             )
-        if config.kv_events != self.config.kv_events or config.index != self.config.index:
+        if (
+            config.kv_events != self.config.kv_events
+            or config.index != self.config.index
+            or config.request_log != self.config.request_log
+        ):
             log.warning(
-                "kvEvents or index settings changed in %s: they take effect on restart",
+                "kvEvents, index or requestLog settings changed in %s: they take effect on restart",
                 self.config_path,
             )
         if config.metrics != self.config.metrics:

@@ -26,6 +26,8 @@ kvEvents:                                # vLLM KV events, for precise-prefix-ca
 index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000}
        # backend redis: url, keyPrefix, timeout; keys strict: hashAlgo, hashSeed (IndexConfig)
 seed: 0                                  # random tie-breaks are repeatable
+requestLog: {path: /var/log/kv-picker/requests.jsonl, maxBytes: 67108864, backups: 3,
+             salt: ..., blockTokens: 512}   # optional: a replayable trace of what was routed
 plugins: [{type: ..., name: ..., parameters: {...}}]
 schedulingProfiles: [{name: default, plugins: [{pluginRef: ..., weight: 2}]}]
 ```
@@ -277,6 +279,25 @@ class IndexConfig:
 
 
 @dataclass(frozen=True)
+class RequestLogConfig:
+    """``requestLog``: a Mooncake-format trace of the requests the picker routed (off when the
+    section is absent; :mod:`kv_picker.request_log`).
+
+    Files rotate by size: ``path`` is the newest, then ``path.1`` ... ``path.<backups>``; each
+    file exceeds ``maxBytes`` only when one row alone does. ``salt`` keys the block ids: a long
+    random string, kept secret, the same on replicas whose logs should share ids (default: a
+    random salt per process; either is logged as a fingerprint only). ``blockTokens`` is the trace's block size;
+    Mooncake traces, and the harness's Mooncake reader, use 512.
+    """
+
+    path: Annotated[str, NonEmpty]
+    max_bytes: Annotated[int, Range(ge=1)] = 64 * 1024 * 1024
+    backups: Annotated[int, Range(ge=0)] = 3
+    salt: Annotated[Text, NonEmpty] | None = None
+    block_tokens: Annotated[int, Range(ge=1)] = 512
+
+
+@dataclass(frozen=True)
 class PickerConfig:
     """Validated configuration; every field has passed its checks."""
 
@@ -294,6 +315,7 @@ class PickerConfig:
     default_hardware_class: str = DEFAULT_CLASS
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
+    request_log: RequestLogConfig | None = None
 
 
 def hardware_table(config: PickerConfig) -> HardwareTable:
@@ -388,6 +410,7 @@ class _Document:
     hardware: _Hardware = field(default_factory=_Hardware)
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
+    request_log: RequestLogConfig | None = None
     # Upstream sections accepted for compatibility and ignored (a warning names them).
     feature_gates: Any = None
     data_layer: Any = None
@@ -466,6 +489,7 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
         default_hardware_class=doc.hardware.default_class,
         kv_events=doc.kv_events,
         index=doc.index,
+        request_log=doc.request_log,
     )
 
 

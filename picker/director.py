@@ -8,7 +8,8 @@ prepare(request)     ─> awaitable | None      plugins' async work (tokenize, f
 route(request, metadata) ─> RoutedRequest     candidates → admission → schedule → the pick:
    │                                          in-flight slot taken, queued prefill counted
    ├── first_byte()                           the prompt has been processed: prefill done
-   └── finish()                               the response ended: slot released (once)
+   └── finish(output_tokens)                  the response ended: slot released (once), the
+                                              request log's row queued (with a request log)
 ```
 
 Nothing here speaks a protocol: ``handlers/`` maps :class:`~kv_picker.errors.PickerError` to
@@ -29,6 +30,7 @@ from kv_picker.errors import InternalError, NoEndpointsError, PickerError, Satur
 from kv_picker.handlers.body import parse_request
 from kv_picker.metrics import PickerMetrics
 from kv_picker.request import LLMRequest
+from kv_picker.request_log import LoggedRequest, RequestLog
 from kv_picker.scheduling.framework import SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
@@ -57,6 +59,7 @@ class RoutedRequest:
     __slots__ = (
         "_director",
         "_finished",
+        "_logged",
         "_prefill",
         "_prompt_tokens",
         "dry_run",
@@ -87,6 +90,7 @@ class RoutedRequest:
         self._prefill: tuple[Endpoint, float, float] | None = None
         self._prompt_tokens = 0.0
         self._finished = dry_run
+        self._logged: LoggedRequest | None = None
 
     def first_byte(self) -> None:
         """The first response byte: the prompt has been processed, its prefill is no longer
@@ -95,13 +99,22 @@ class RoutedRequest:
         if prefill is not None:
             self._director._end_prefill(*prefill)
 
-    def finish(self) -> None:
-        """The response ended, or the stream closed: release the in-flight slot (once)."""
+    def finish(self, output_tokens: int | None = None) -> None:
+        """The response ended, or the stream closed: release the in-flight slot (once).
+
+        Args:
+            output_tokens: the completion tokens the endpoint reported in the response's
+                usage, None when it reported none (only the request log reads it).
+        """
         self.first_byte()
         if self._finished:
             return
         self._finished = True
         self._director._release(self.endpoint, self._prompt_tokens)
+        logged = self._logged
+        if logged is not None:
+            self._logged = None
+            self._director._log_finished(logged, output_tokens)
 
     @property
     def finished(self) -> bool:
@@ -117,6 +130,7 @@ class Director:
         scheduler: built plugins; replaced whole by :meth:`swap` on reload.
         rng: seeded generator for body-less requests.
         metrics: exported metrics.
+        request_log: where routed requests are logged for replay, if anywhere.
     """
 
     def __init__(
@@ -126,12 +140,14 @@ class Director:
         scheduler: Scheduler,
         rng: random.Random,
         metrics: PickerMetrics,
+        request_log: RequestLog | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.scheduler = scheduler
         self.rng = rng
         self.metrics = metrics
+        self.request_log = request_log
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
@@ -152,7 +168,10 @@ class Director:
         Raises:
             RequestError: 400 or 404, with the reason.
         """
-        return parse_request(body, headers, self.config.models)
+        request = parse_request(body, headers, self.config.models)
+        if self.request_log is not None:
+            self.request_log.arrived(request)
+        return request
 
     def prepare(self, request: LLMRequest) -> Awaitable[None] | None:
         """Async work plugins need before :meth:`route`, or None when there is none.
@@ -260,6 +279,8 @@ class Director:
         for profile, profile_result in result.profile_results.items():
             if profile_result.targets:
                 self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
+        if self.request_log is not None:  # the last look at the prompt
+            handle._logged = self.request_log.record(request)
         request.drop_payload()
         return handle
 
@@ -315,6 +336,10 @@ class Director:
     def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float) -> None:
         if self.store.get(endpoint.id) is endpoint:
             self.store.prefill_done(endpoint.id, tokens, pairs)
+
+    def _log_finished(self, logged: LoggedRequest, output_tokens: int | None) -> None:
+        if self.request_log is not None:
+            self.request_log.finish(logged, output_tokens)
 
 
 async def _await_all(request_id: str, pending: list[Awaitable[None]]) -> None:

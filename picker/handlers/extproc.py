@@ -25,8 +25,8 @@ and dropped, and the director drops the parsed prompt.
 
 Response direction: headers are answered at once; body chunks are echoed one for one in
 full-duplex mode (SSE chunks keep their boundaries) and acknowledged unchanged otherwise. Token
-usage is read on the way past for metrics, and the end of the response releases the endpoint's
-in-flight slot.
+usage is read on the way past for metrics and the request log, and the end of the response
+releases the endpoint's in-flight slot.
 """
 
 from __future__ import annotations
@@ -360,10 +360,10 @@ class RequestStream:
         if self.finished or routed is None:
             return
         self.finished = True
-        routed.finish()
+        usage = self.usage.result() if self.usage is not None else None
+        routed.finish(usage.completion_tokens if usage is not None else None)
         metrics = self.metrics
         metrics.request_seconds.observe(time.perf_counter() - self.started_s)
-        usage = self.usage.result() if self.usage is not None else None
         if usage is not None:
             if usage.prompt_tokens is not None:
                 metrics.input_tokens.observe(usage.prompt_tokens)
