@@ -3,10 +3,12 @@
 Type: ``active-request-scorer``
 
 Formula: with ``n`` = requests routed to the endpoint and not yet finished (counted by the
-picker itself, so it moves on every pick, not on every scrape) and ``max_n`` the largest ``n``
-among the candidates: ``n <= idleThreshold`` -> 1.0, else ``(max_n - n) / max_n``.
-Relative to the busiest candidate rather than min-max, so one request more than a neighbour
-costs a little, not everything.
+picker itself, so it moves on every pick, not on every scrape), or their prompt tokens (the KV
+they hold) with ``unit: tokens``, divided by the endpoint's relative decode speed when
+``perHardware`` (an A100 decodes 0.61 as fast as an H100, so 6 requests there weigh like 10 on
+an H100), and ``max_n`` the largest among the candidates: ``n <= idleThreshold`` -> 1.0, else
+``(max_n - n) / max_n``. Relative to the busiest candidate rather than min-max, so one request
+more than a neighbour costs a little, not everything.
 
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count
@@ -14,15 +16,15 @@ reacts at once and spreads the burst.
 
 Inputs: the picker's in-flight accounting (incremented at the pick, decremented when the
 response ends or the stream closes).
-Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests in flight
-counts as idle.
+Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (or tokens) in
+flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from kv_picker.decode import NonNegative
 from kv_picker.endpoint import Endpoint
@@ -33,6 +35,8 @@ from kv_picker.scheduling.framework import LLMRequest
 @dataclass(frozen=True)
 class ActiveRequestParams:
     idleThreshold: Annotated[int, NonNegative] = 0
+    unit: Literal["requests", "tokens"] = "requests"
+    perHardware: bool = False
 
 
 class ActiveRequestScorer:
@@ -41,13 +45,29 @@ class ActiveRequestScorer:
 
     def __init__(self, name: str, params: ActiveRequestParams, ctx: BuildContext) -> None:
         self.name = name
-        self._in_flight = ctx.store.in_flight
+        store = ctx.store
+        self._in_flight: Sequence[float] = (
+            store.in_flight_tokens if params.unit == "tokens" else store.in_flight
+        )
         self._idle = params.idleThreshold
+        self._hardware = ctx.hardware if params.perHardware else None
+        self._loads: list[float] = []
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         in_flight = self._in_flight
-        busiest = max(in_flight[e.id] for e in candidates)
+        hardware = self._hardware
+        if hardware is None:
+            busiest = max(in_flight[e.id] for e in candidates)
+            idle = self._idle
+            for i, endpoint in enumerate(candidates):
+                count = in_flight[endpoint.id]
+                out[i] = 1.0 if count <= idle else (busiest - count) / busiest
+            return
+        loads = self._loads
+        loads.clear()
+        for endpoint in candidates:
+            loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
+        busiest = max(loads)
         idle = self._idle
-        for i, endpoint in enumerate(candidates):
-            count = in_flight[endpoint.id]
-            out[i] = 1.0 if count <= idle else (busiest - count) / busiest
+        for i, load in enumerate(loads):
+            out[i] = 1.0 if load <= idle else (busiest - load) / busiest

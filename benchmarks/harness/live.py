@@ -213,6 +213,7 @@ def summarize_live(
         e2e_s=latency_stats(e2e),
         output_tokens_per_s=output_tokens / makespan_s if makespan_s > 0 else 0.0,
         requests_per_s=len(ok) / makespan_s if makespan_s > 0 else 0.0,
+        sustained_tokens_per_s=math.nan,  # offline only: needs each request's token times
         hit_ratio=hits / queries if queries else 0.0,
         imbalance=max(served) / mean_served if mean_served > 0 else math.nan,
         imbalance_busy=math.nan,

@@ -30,6 +30,7 @@ from kv_picker_bench.harness.simulator import (
     REJECTED,
     SHED,
     ClusterConfig,
+    RequestOutcome,
     SimulationResult,
     block_keys,
     output_block_keys,
@@ -121,6 +122,7 @@ class PolicyMetrics:
     e2e_s: dict[str, float]
     output_tokens_per_s: float
     requests_per_s: float
+    sustained_tokens_per_s: float
     hit_ratio: float
     imbalance: float
     imbalance_busy: float
@@ -139,6 +141,35 @@ def _max_over_mean(values: Sequence[float]) -> float:
         return math.nan
     mean = sum(values) / len(values)
     return max(values) / mean if mean > 0 else math.nan
+
+
+def sustained_tokens_per_s(outcomes: Sequence[RequestOutcome]) -> float:
+    """Output tokens per second produced while requests arrive (first to last arrival).
+
+    Why not total tokens over the makespan: once arrivals stop, the makespan is the drain of
+    the slowest stragglers (one long answer decoding on a slow endpoint can double it), so it
+    measures the tail, not the rate a policy sustains under the offered load. A request's
+    tokens are taken as produced evenly from its first token to its finish.
+    """
+    if not outcomes:
+        return 0.0
+    start_s = min(o.arrival_s for o in outcomes)
+    end_s = max(o.arrival_s for o in outcomes)
+    if not end_s > start_s:
+        return 0.0
+    produced = 0.0
+    for o in outcomes:
+        if o.status != OK or not o.output_tokens:
+            continue
+        first_s, finish_s = o.first_token_s, o.finish_s
+        if start_s <= first_s <= end_s:
+            produced += 1
+        rest = o.output_tokens - 1
+        if rest > 0 and finish_s > first_s:
+            overlap_s = min(finish_s, end_s) - max(first_s, start_s)
+            if overlap_s > 0:
+                produced += rest * overlap_s / (finish_s - first_s)
+    return produced / (end_s - start_s)
 
 
 def summarize(result: SimulationResult, config: ClusterConfig) -> PolicyMetrics:
@@ -162,6 +193,7 @@ def summarize(result: SimulationResult, config: ClusterConfig) -> PolicyMetrics:
         e2e_s=latency_stats(o.e2e_s for o in ok),
         output_tokens_per_s=output_tokens / makespan_s if makespan_s > 0 else 0.0,
         requests_per_s=len(ok) / makespan_s if makespan_s > 0 else 0.0,
+        sustained_tokens_per_s=sustained_tokens_per_s(outcomes),
         hit_ratio=sum(o.cached_tokens for o in ok) / prompt_tokens if prompt_tokens else 0.0,
         imbalance=_max_over_mean([result.endpoints[i].requests for i in serving]),
         imbalance_busy=_max_over_mean([e.busy_s for e in result.endpoints]),
