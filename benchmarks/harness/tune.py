@@ -123,6 +123,9 @@ DEFAULT_WINDOWS = 6
 DEFAULT_TRIALS = 40
 DEFAULT_STUDY = "tune"
 DEFAULT_STALE_AFTER_S = 120.0
+IDENTITY_GRACE_S = 10.0
+"""A trial names its worker within milliseconds of its creation; a running trial still
+nameless after this long lost its worker in between (e.g. killed right then)."""
 JOURNAL_FILE = "study.journal"
 REDIS_PREFIX = "kv-picker-tune"
 """Key prefix of the study's journal in Redis (the picker's own index uses ``kv-picker``)."""
@@ -495,7 +498,7 @@ def make_sampler(seed: int, trials: int) -> optuna.samplers.TPESampler:
         )
 
 
-def _host_id() -> str:
+def host_id() -> str:
     """This machine: its host name, and its boot id where Linux has one (names can repeat)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
@@ -523,15 +526,19 @@ def fail_stale_trials(study: optuna.Study, storage: BaseStorage, stale_after_s: 
         How many trials were failed.
     """
     now = time.time()
-    host = _host_id()
+    host = host_id()
     study_id = storage.get_study_id_from_name(study.study_name)
     failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         attrs = trial.user_attrs
         started = trial.datetime_start.timestamp() if trial.datetime_start else now
-        beat = float(attrs.get("heartbeat", started))
-        gone_here = attrs.get("host") == host and not _alive(attrs.get("pid"))
-        if not gone_here and now - beat <= stale_after_s:
+        if "heartbeat" in attrs:
+            silent_s = now - float(attrs["heartbeat"])
+            gone = attrs.get("host") == host and not _alive(attrs.get("pid"))
+        else:
+            silent_s = now - started
+            gone = silent_s > min(IDENTITY_GRACE_S, stale_after_s)
+        if not gone and silent_s <= stale_after_s:
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         try:
@@ -633,7 +640,7 @@ class Objective:
         self.storage = storage
         self.reference = reference
         self.worker = worker
-        self._host = _host_id()
+        self._host = host_id()
 
     def __call__(self, trial: optuna.Trial) -> float:
         setup = self.setup
@@ -671,12 +678,14 @@ class _AfterTrial:
 
     Args:
         setup: The run's setup.
+        storage: The study's storage.
         parent: The process that started this worker, if it is a spawned local worker: when
             it is gone (killed), the worker stops after its trial instead of running on.
     """
 
-    def __init__(self, setup: TuneSetup, parent: int | None) -> None:
+    def __init__(self, setup: TuneSetup, storage: BaseStorage, parent: int | None) -> None:
         self.setup = setup
+        self.storage = storage
         self.parent = parent
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
@@ -689,6 +698,7 @@ class _AfterTrial:
                 flush=True,
             )
         orphaned = self.parent is not None and os.getppid() != self.parent
+        fail_stale_trials(study, self.storage, self.setup.stale_after_s)
         if orphaned or remaining_trials(study, self.setup.trials) <= 0:
             study.stop()
 
@@ -716,16 +726,25 @@ def run_worker(setup: TuneSetup, index: int, salted: bool, parent: int | None = 
     )
     reference = _stored_reference(study)
     assert reference is not None  # the process that started this worker stored it
-    fail_stale_trials(study, storage, setup.stale_after_s)
-    if remaining_trials(study, setup.trials) <= 0:
-        return
-    study.optimize(
-        Objective(setup, storage, reference, _worker_name()),
-        callbacks=[_AfterTrial(setup, parent)],
-        # An invalid candidate (a value the plugin's own checks refuse together with another)
-        # fails its trial; the search goes on.
-        catch=(ConfigError,),
-    )
+    objective = Objective(setup, storage, reference, _worker_name())
+    after_trial = _AfterTrial(setup, storage, parent)
+    while True:
+        fail_stale_trials(study, storage, setup.stale_after_s)
+        if remaining_trials(study, setup.trials) <= 0:
+            return
+        try:
+            study.optimize(
+                objective,
+                callbacks=[after_trial],
+                # An invalid candidate (a value the plugin's own checks refuse together with
+                # another) fails its trial; the search goes on.
+                catch=(ConfigError,),
+            )
+            return  # stopped by after_trial: the budget is spent
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another worker took this one's trial for dead (no heartbeat for --stale-after
+            # seconds) and failed it; the result is lost, its slot is run again.
+            continue
 
 
 def _spawned_worker(setup: TuneSetup, index: int, salted: bool, parent: int) -> None:
@@ -1196,10 +1215,10 @@ def _command_line(argv: Sequence[str]) -> str:
 
 def tune(argv: Sequence[str]) -> int:
     """``kv-picker tune``'s body; raises the harness's errors (see :func:`main`)."""
-    args = build_parser().parse_args(list(argv))
-    if args.print_space:
+    if "--print-space" in argv:  # before parsing: it needs none of the required flags
         print(DEFAULT_SPACE, end="")
         return EXIT_OK
+    args = build_parser().parse_args(list(argv))
     _check_flags(args)
 
     def log(message: str) -> None:
@@ -1251,7 +1270,7 @@ def tune(argv: Sequence[str]) -> int:
         run_workers(setup, min(args.workers, remaining), salted=args.worker_only)
     if args.worker_only:
         done = sum(
-            t.user_attrs.get("host") == _host_id()
+            t.user_attrs.get("host") == host_id()
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         )
         complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
