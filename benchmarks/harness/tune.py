@@ -857,7 +857,17 @@ def ensure_reference(
 
 @dataclass(frozen=True)
 class Outcome:
-    """The run's result: the best trial and how it fares on both groups of windows."""
+    """The run's result: the best trial and how it fares on both groups of windows.
+
+    Attributes:
+        best: The best complete trial.
+        document: Its complete EndpointPickerConfig (what ``tuned.yaml`` holds).
+        tuning: Its gain over the built-in default on the tuning windows.
+        held_out: The same on the held-out windows.
+        per_window: Its result on every window.
+        reference: The built-in default's result on every window.
+        trials: Every trial of the study, in order.
+    """
 
     best: FrozenTrial
     document: dict[str, Any]
@@ -957,12 +967,8 @@ def summary_lines(outcome: Outcome, setup: TuneSetup) -> list[str]:
     return lines
 
 
-def write_outputs(
-    folder: Path, outcome: Outcome, setup: TuneSetup, record: Mapping[str, Any], command: str
-) -> str:
-    """Writes ``tuned.yaml``, ``report.md`` and ``report.json``; returns the summary."""
-    summary = "\n".join(summary_lines(outcome, setup))
-    trace = record["trace"]
+def tuned_yaml(outcome: Outcome, setup: TuneSetup, trace: Mapping[str, Any]) -> str:
+    """``tuned.yaml``'s text: the best config under a comment saying where it came from."""
     tuning, held = outcome.tuning, outcome.held_out
     header = [
         "# EndpointPickerConfig written by kv-picker tune: best trial "
@@ -975,16 +981,24 @@ def write_outputs(
         f" | {_change(held.ttft_mean)} / {_change(held.ttft_p90)} / {_change(held.ttft_p99)}.",
         "# Details: report.md next to this file.",
     ]
-    text = "\n".join(header) + "\n" + yaml.safe_dump(outcome.document, sort_keys=False)
-    (folder / "tuned.yaml").write_text(text, encoding="utf-8")
-    try:
-        parse_config_text(text, builtin_registry(), source="tuned.yaml")
-        servable = ""
-    except ConfigError as exc:
-        servable = f"Note: the service refuses tuned.yaml as it is ({exc}): its base uses "
-        servable += "plugins only the benchmark harness has."
-    complete = [t for t in outcome.trials if t.state == TrialState.COMPLETE]
-    states = {s.name.lower(): sum(t.state == s for t in outcome.trials) for s in TrialState}
+    return "\n".join(header) + "\n" + yaml.safe_dump(outcome.document, sort_keys=False)
+
+
+def _trial_states(trials: Sequence[FrozenTrial]) -> dict[str, int]:
+    return {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState}
+
+
+def report_markdown(
+    outcome: Outcome,
+    setup: TuneSetup,
+    trace: Mapping[str, Any],
+    command: str,
+    summary: str,
+    note: str,
+) -> str:
+    """``report.md``: the setup, the summary, then every window and every trial."""
+    tuning, held = outcome.tuning, outcome.held_out
+    states = _trial_states(outcome.trials)
     span_s = setup.windows[-1].end_s - setup.windows[0].start_s
     lines = [
         f"# Tuning on {trace['name']}",
@@ -992,10 +1006,11 @@ def write_outputs(
         f"Command: `{command}`",
         "",
         f"Trace: {trace['name']} ({trace['source']}), {trace['requests']:,} requests over "
-        f"{span_s:,.0f} s, cut into {len(setup.windows)} windows of {span_s / len(setup.windows):,.0f}"
-        f" s; tuned on windows {_numbers(tuning.windows)} ({tuning.requests:,} requests), held "
-        f"out {_numbers(held.windows)} ({held.requests:,} requests). Each window is replayed on "
-        "its own, starting cold (empty caches, nothing in flight).",
+        f"{span_s:,.0f} s, cut into {len(setup.windows)} windows of "
+        f"{span_s / len(setup.windows):,.0f} s; tuned on windows {_numbers(tuning.windows)} "
+        f"({tuning.requests:,} requests), held out {_numbers(held.windows)} "
+        f"({held.requests:,} requests). Each window is replayed on its own, starting cold "
+        "(empty caches, nothing in flight).",
         "",
         f"Cluster: {describe_cluster(setup.cluster)}"
         f"{'; P/D' if setup.pd_threshold is not None else ''}.",
@@ -1018,8 +1033,8 @@ def write_outputs(
         "`tuned.yaml` holds its complete config: `kv-picker serve --config tuned.yaml`, or "
         "`kv-picker bench replay --policy tuned=tuned.yaml` to compare it with the baselines.",
     ]
-    if servable:
-        lines += ["", servable]
+    if note:
+        lines += ["", note]
     lines += [
         "",
         "## Per window",
@@ -1048,11 +1063,21 @@ def write_outputs(
             f"| {trial.number} | {trial.state.name.lower()} | {shown} "
             f"| {trial.user_attrs.get('worker', '')} | {seconds:.1f} | {params} |"
         )
-    (folder / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    document = {
+    return "\n".join(lines) + "\n"
+
+
+def report_json(
+    outcome: Outcome, setup: TuneSetup, record: Mapping[str, Any], command: str
+) -> dict[str, Any]:
+    """``report.json``: the figures of ``report.md``, every window and every trial."""
+    return {
         "command": command,
         "setup": dict(record),
-        "study": {"name": setup.study, "storage": shown_storage(setup.storage), **states},
+        "study": {
+            "name": setup.study,
+            "storage": shown_storage(setup.storage),
+            **_trial_states(outcome.trials),
+        },
         "objective": {
             "version": OBJECTIVE_VERSION,
             "throughput_tolerance": THROUGHPUT_TOLERANCE,
@@ -1063,8 +1088,8 @@ def write_outputs(
             "score": outcome.best.value,
             "params": outcome.best.params,
             "base_params": dict(setup.space.base_values or {}),
-            "tuning": tuning.to_json(),
-            "held_out": held.to_json(),
+            "tuning": outcome.tuning.to_json(),
+            "held_out": outcome.held_out.to_json(),
         },
         "windows": {
             str(w.number): {
@@ -1086,10 +1111,30 @@ def write_outputs(
             }
             for t in outcome.trials
         ],
-        "complete": len(complete),
+        "complete": sum(t.state == TrialState.COMPLETE for t in outcome.trials),
     }
-    write_json(folder / "report.json", document)
-    return summary + (f"\n\n{servable}" if servable else "")
+
+
+def write_outputs(
+    folder: Path, outcome: Outcome, setup: TuneSetup, record: Mapping[str, Any], command: str
+) -> str:
+    """Writes ``tuned.yaml``, ``report.md`` and ``report.json``; returns the summary."""
+    trace = record["trace"]
+    text = tuned_yaml(outcome, setup, trace)
+    (folder / "tuned.yaml").write_text(text, encoding="utf-8")
+    try:
+        parse_config_text(text, builtin_registry(), source="tuned.yaml")
+        note = ""
+    except ConfigError as exc:
+        note = (
+            f"Note: the service refuses tuned.yaml as it is ({exc}): its base uses plugins "
+            "only the benchmark harness has."
+        )
+    summary = "\n".join(summary_lines(outcome, setup))
+    markdown = report_markdown(outcome, setup, trace, command, summary, note)
+    (folder / "report.md").write_text(markdown, encoding="utf-8")
+    write_json(folder / "report.json", report_json(outcome, setup, record, command))
+    return summary + (f"\n\n{note}" if note else "")
 
 
 # ------------------------------------------------------------------------------ command

@@ -329,6 +329,61 @@ def test_a_run_writes_a_servable_config_and_judges_it_on_held_out_windows(
     assert "tuned" in json.loads((replay / "results.json").read_text())["loads"]["1"]["policies"]
 
 
+def test_a_custom_base_and_space_keep_the_base_s_other_sections(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        yaml.safe_dump(
+            {
+                "metrics": {"scrapeInterval": "200ms"},
+                "plugins": [
+                    {"type": "prefix-cache-scorer", "name": "prefix"},
+                    {"type": "queue-scorer"},
+                    {"type": "max-score-picker"},
+                ],
+                "schedulingProfiles": [
+                    {
+                        "name": "default",
+                        "plugins": [
+                            {"pluginRef": "prefix", "weight": 2},
+                            {"pluginRef": "queue-scorer", "weight": 1},
+                            {"pluginRef": "max-score-picker"},
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "dimensions:\n"
+        "- {plugin: prefix, weight: {low: 1, high: 4, step: 1}}\n"
+        "- {plugin: queue-scorer, weight: {low: 0.5, high: 2, log: true}}\n"
+        "- {plugin: prefix, parameter: lruCapacityPerServer, low: 64, high: 65536, log: true}\n"
+    )
+    out = tmp_path / "run"
+    argv = ["--trace", CHAT, *CLUSTER, "--trials", "3", "--workers", "1", "--out", str(out)]
+    assert run(*argv, "--base", str(base), "--space", str(space)) == 0
+    tuned = yaml.safe_load((out / "tuned.yaml").read_text())
+    assert tuned["metrics"] == {"scrapeInterval": "200ms"}
+    assert [p.get("name") for p in tuned["plugins"]] == ["prefix", None, None]
+    capacity = tuned["plugins"][0]["parameters"]["lruCapacityPerServer"]
+    assert isinstance(capacity, int) and 64 <= capacity <= 65536
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["best"]["params"]) == {
+        "prefix.weight",
+        "queue-scorer.weight",
+        "prefix.lruCapacityPerServer",
+    }
+    # Trial 0 is the base (its parameter at the plugin's default), not the built-in default.
+    base_params = {
+        "prefix.weight": 2.0,
+        "queue-scorer.weight": 1.0,
+        "prefix.lruCapacityPerServer": 31250,
+    }
+    assert report["trials"][0]["params"] == report["best"]["base_params"] == base_params
+    assert report["trials"][0]["score"] != 1.0
+
+
 def test_one_worker_and_a_seed_reproduce_the_run(tmp_path: Path) -> None:
     outputs = []
     for name in ("a", "b"):
