@@ -436,9 +436,16 @@ def setup_record(
         "seed": seed,
         "pd_threshold": pd_threshold,
     }
-    text = json.dumps(record, sort_keys=True, default=str)
+    text = json.dumps(_comparable(record), sort_keys=True, default=str)
     record["fingerprint"] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return record
+
+
+def _comparable(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a setup record that must match: machines may name one trace differently
+    (its path, how it was sliced), so the trace counts by its content alone."""
+    trace = {k: v for k, v in record["trace"].items() if k not in ("name", "source", "notes")}
+    return {**{k: v for k, v in record.items() if k != "fingerprint"}, "trace": trace}
 
 
 # ------------------------------------------------------------------------------ storage
@@ -826,7 +833,8 @@ def open_study(
         if enqueue_base and setup.space.base_values is not None:
             study.enqueue_trial(dict(setup.space.base_values), skip_if_exists=True)
     elif stored.get("fingerprint") != setup.fingerprint:
-        differs = [k for k in record if k != "fingerprint" and stored.get(k) != _plain(record[k])]
+        mine, theirs = _plain(_comparable(record)), _comparable(stored)
+        differs = [k for k in mine if theirs.get(k) != mine[k]]
         raise UsageError(
             f"study {setup.study!r} in {shown_storage(setup.storage)} was made for another "
             f"setup (differs in: {', '.join(differs) or 'details'}); use another --study "

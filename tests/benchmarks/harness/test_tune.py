@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from kv_picker_bench.harness.space import (
     Space,
     load_space,
 )
-from kv_picker_bench.harness.traces import TraceError
+from kv_picker_bench.harness.traces import TraceError, parse_trace_spec, write_kv_picker_jsonl
 from kv_picker_bench.harness.tune import (
     Objective,
     TuneSetup,
@@ -516,6 +517,17 @@ def test_a_study_refuses_another_setup(tmp_path: Path, capsys: pytest.CaptureFix
     assert run(*common, "--endpoints", "4", "--num-gpu-blocks", "400") == 2
     error = capsys.readouterr().err
     assert "made for another setup (differs in: cluster)" in error
+    # The same requests under another name (a copy on another machine) are the same trace.
+    original = tmp_path / "chat.jsonl"
+    write_kv_picker_jsonl(parse_trace_spec(CHAT), original)
+    copy = tmp_path / "elsewhere" / "renamed.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(original, copy)
+    files = ["--trials", "2", "--workers", "1", *CLUSTER, "--study", "files"]
+    assert run("--trace", str(original), *files, "--out", str(out)) == 0
+    assert run("--trace", str(copy), *files, "--out", str(out)) == 0
+    assert run("--trace", str(copy), "--first", "80", *files, "--out", str(out)) == 2
+    assert "(differs in: trace, windows)" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2_with_the_reason(
