@@ -385,6 +385,32 @@ def test_a_custom_base_and_space_keep_the_base_s_other_sections(tmp_path: Path) 
     assert report["trials"][0]["score"] != 1.0
 
 
+def test_a_mooncake_request_log_tunes_and_a_bad_row_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What the service's request log holds: Mooncake JSONL (ms, 512-token block ids).
+    log = tmp_path / "requests.jsonl"
+    rows = [
+        {
+            "timestamp": 250 * i,
+            "input_length": 1200,
+            "output_length": 16,
+            "hash_ids": [i % 5, 100 + i % 5, 1000 + i],
+        }
+        for i in range(120)
+    ]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    argv = ["--trace", str(log), *CLUSTER, "--trials", "3", "--workers", "1", "--out", str(out)]
+    assert run(*argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["setup"]["trace"]["requests"] == 120 and report["complete"] == 3
+    rows[7]["output_length"] = "many"
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert run(*argv[:-1], str(tmp_path / "bad")) == 2
+    assert f"{log}:8: field 'output_length'" in capsys.readouterr().err
+
+
 def test_one_worker_and_a_seed_reproduce_the_run(tmp_path: Path) -> None:
     outputs = []
     for name in ("a", "b"):
