@@ -37,6 +37,7 @@ if "kv_picker_bench" in FOLDERS:
         "demo = kv_picker_bench.commands:demo",
         "sim-endpoint = kv_picker_bench.commands:sim_endpoint",
         "bench = kv_picker_bench.commands:bench",
+        "tune = kv_picker_bench.commands:tune",
     ]
 
 setup(package_dir=FOLDERS, packages=_packages(), entry_points=ENTRY_POINTS)

@@ -1,4 +1,4 @@
-"""The commands this package adds to ``kv-picker``: ``demo``, ``sim-endpoint`` and ``bench``.
+"""The commands this package adds to ``kv-picker``: ``demo``, ``sim-endpoint``, ``bench``, ``tune``.
 
 They reach the service's command line through the ``kv_picker.commands`` entry-point group
 (declared in setup.py), so the service never imports this package. Each command imports its
@@ -40,3 +40,8 @@ sim_endpoint = Command(
     "run one simulated vLLM endpoint (see sim-endpoint --help)", "kv_picker_bench.sim.cli:main"
 )
 bench = Command("benchmarks (see bench --help)", "kv_picker_bench.__main__:main")
+tune = Command(
+    "search profile weights and scorer parameters on a trace, judge them on held-out time "
+    "windows, write the best as a config (see tune --help)",
+    "kv_picker_bench.harness.tune:main",
+)
