@@ -92,27 +92,34 @@ IGNORED_SECTIONS = (
     "parser",
 )
 
-# The built-in default: the GIE default's scorers (prefix, queue, kv-utilization) plus the
-# picker's own in-flight count, with prefix 3 and each load signal 1. Scraped queue depth lags by
-# a scrape interval; without a signal that moves on every pick, a burst whose requests share only
-# a first block (every request of the Mooncake conversation trace does) would all land on
-# whichever endpoint saw that block first. Against GIE's prefix 3 / queue 2 / kv 2, the lighter
-# load weights keep a group's requests together unless the load gap is real (the README has the
-# measurement: hit ratio 0.90 vs 0.66 on the demo workload, lower TTFT p90).
+# The built-in default, chosen on the tuning families of the routing matrix
+# (`kv-picker bench matrix`; benchmarks/RESULTS.md names the split and gives the numbers):
+#
+# - predicted-latency-scorer (1): one estimate of time to first token per endpoint, from the
+#   prefill work queued there (tokens and attention, counted by the picker from the pick to the
+#   first byte), this prompt's uncached part, the engine's step and KV-read costs, and the
+#   endpoint's hardware class;
+# - active-request-scorer (3), counting the prompt tokens in flight (the KV each decode step
+#   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
+#   once batches fill and which the TTFT estimate cannot see coming;
+# - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
+#   (the latency estimate already counts cached tokens as free).
+#
+# The previous default (prefix 3, queue 1, kv-utilization 1, active requests 1) piled every
+# request sharing a system prompt onto one endpoint: on chat sessions it was up to 200x slower
+# than the best policy in the matrix.
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {"type": "prefix-cache-scorer"},
-    {"type": "queue-scorer"},
-    {"type": "kv-cache-utilization-scorer"},
-    {"type": "active-request-scorer"},
+    {"type": "predicted-latency-scorer"},
+    {"type": "active-request-scorer", "parameters": {"unit": "tokens", "perHardware": True}},
     {"type": "max-score-picker"},
 )
 DEFAULT_PROFILE: Mapping[str, Any] = {
     "name": "default",
     "plugins": [
-        {"pluginRef": "prefix-cache-scorer", "weight": 3},
-        {"pluginRef": "queue-scorer", "weight": 1},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
-        {"pluginRef": "active-request-scorer", "weight": 1},
+        {"pluginRef": "prefix-cache-scorer", "weight": 1},
+        {"pluginRef": "predicted-latency-scorer", "weight": 1},
+        {"pluginRef": "active-request-scorer", "weight": 3},
         {"pluginRef": "max-score-picker"},
     ],
 }

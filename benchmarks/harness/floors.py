@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kv_picker.state.hardware import HardwareClass
-from kv_picker_bench.harness.report import latency_stats
 from kv_picker_bench.harness.simulator import ClusterConfig, block_keys, output_block_keys
+from kv_picker_bench.harness.stats import latency_stats
 from kv_picker_bench.harness.traces import Trace
 from kv_picker_bench.sim.engine import hardware_class
 

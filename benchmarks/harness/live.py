@@ -61,12 +61,12 @@ from kv_picker_bench.harness.args import (
     run_command,
     trace_from_args,
 )
+from kv_picker_bench.harness.floors import ideal_caches, ttft_floors
 from kv_picker_bench.harness.policies import Policy
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
     describe_cluster,
-    hit_ratio_bounds,
     latency_stats,
     markdown_table,
     plot_bars,
@@ -421,7 +421,9 @@ def run_live(argv: Sequence[str], command: str) -> int:
     finally:
         stack.close()
     wall_s = time.perf_counter() - started
-    bounds = hit_ratio_bounds(trace, config)
+    caches = ideal_caches(trace, config)
+    bounds = caches.hit_ratios()
+    floors = ttft_floors(trace, config, caches)
     rows = [run.metrics for run in runs]
     summary = trace.summary()
     lines = [
@@ -436,7 +438,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
         "",
         f"Cluster: {describe_cluster(config)} (simulated endpoints over HTTP on 127.0.0.1).",
         "",
-        markdown_table(rows, bounds),
+        markdown_table(rows, bounds, floors.stats()),
         "",
         f"Wall time of the whole run: {wall_s:.1f} s.",
     ]
@@ -451,6 +453,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "trace": summary,
             "cluster": cluster_json(config),
             "bounds": bounds,
+            "floors": floors.stats(),
             "wall_s": wall_s,
             "policies": {m.policy: m.to_json() for m in rows},
         },
@@ -461,6 +464,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             folder / "ttft_cdf.png",
             f"TTFT ({command}), {trace.name}",
             "time to first token (model s)",
+            floor=floors.practical_s,
         )
         plot_cdfs(
             {r.metrics.policy: r.e2e_s for r in runs},

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kv_picker_bench.harness.floors import ideal_caches
 from kv_picker_bench.harness.simulator import (
     ERROR,
     OK,
@@ -32,76 +32,17 @@ from kv_picker_bench.harness.simulator import (
     ClusterConfig,
     RequestOutcome,
     SimulationResult,
-    block_keys,
-    output_block_keys,
 )
+from kv_picker_bench.harness.stats import latency_stats
 from kv_picker_bench.harness.traces import Trace
-
-QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-
-
-def latency_stats(values: Iterable[float]) -> dict[str, float]:
-    """Mean and nearest-rank p50/p90/p99 of the finite values (nan when there are none)."""
-    ordered = sorted(v for v in values if not math.isnan(v))
-    stats: dict[str, float] = {"mean": sum(ordered) / len(ordered) if ordered else math.nan}
-    for name, fraction in QUANTILES:
-        if not ordered:
-            stats[name] = math.nan
-            continue
-        rank = max(0, min(len(ordered) - 1, math.ceil(fraction * len(ordered) - 1e-9) - 1))
-        stats[name] = ordered[rank]
-    return stats
-
 
 # ----------------------------------------------------------------------------- bounds
 
 
 def hit_ratio_bounds(trace: Trace, config: ClusterConfig) -> dict[str, float]:
-    """Token hit ratios of an unbounded single cache and of a pooled LRU of the cluster's size.
-
-    Requests are taken in arrival order; each request's full prompt blocks, and the blocks its
-    decode fills when the cluster caches them, are inserted after its lookup (as most recently
-    used).
-    """
-    block_size = config.block_size
-    capacity = config.total_capacity_blocks
-    seen: set[int] = set()
-    lru: OrderedDict[int, None] = OrderedDict()
-    prompt_tokens = unbounded_hits = pooled_hits = 0
-    for request in trace.requests:
-        keys = block_keys(request, trace.block_tokens, block_size)
-        max_hit_blocks = (request.input_tokens - 1) // block_size
-        prompt_tokens += request.input_tokens
-        run = 0
-        for key in keys:
-            if key not in seen:
-                break
-            run += 1
-        unbounded_hits += min(run, max_hit_blocks) * block_size
-        seen.update(keys)
-        run = 0
-        for key in keys:
-            if key not in lru:
-                break
-            run += 1
-        pooled_hits += min(run, max_hit_blocks) * block_size
-        if config.cache_output_blocks:
-            filled = output_block_keys(request, trace.block_tokens, block_size)
-            if filled:
-                keys = keys + filled
-                seen.update(filled)
-        pop = lru.pop
-        for key in keys:
-            pop(key, None)
-            lru[key] = None
-        overflow = len(lru) - capacity
-        for _ in range(max(0, overflow)):
-            lru.popitem(last=False)
-    return {
-        "unbounded": unbounded_hits / prompt_tokens if prompt_tokens else 0.0,
-        "pooled_lru": pooled_hits / prompt_tokens if prompt_tokens else 0.0,
-        "pooled_capacity_tokens": capacity * block_size,
-    }
+    """Token hit ratios of an unbounded single cache and of a pooled LRU of the cluster's size
+    (:func:`~kv_picker_bench.harness.floors.ideal_caches`)."""
+    return ideal_caches(trace, config).hit_ratios()
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -232,28 +173,55 @@ def _quad(stats: Mapping[str, float], scale: float = 1.0, digits: int = 2) -> st
     return " / ".join(_fmt(stats[k], scale, digits) for k in ("mean", "p50", "p90", "p99"))
 
 
-def markdown_table(rows: Sequence[PolicyMetrics], bounds: Mapping[str, float] | None) -> str:
-    """One row per policy; latency cells are mean / p50 / p90 / p99."""
+def markdown_table(
+    rows: Sequence[PolicyMetrics],
+    bounds: Mapping[str, float] | None,
+    floors: Mapping[str, Mapping[str, float]] | None = None,
+) -> str:
+    """One row per policy; latency cells are mean / p50 / p90 / p99.
+
+    Args:
+        rows: the policies' metrics.
+        bounds: the trace's hit-ratio bounds (two rows at the end).
+        floors: the zero-queue TTFT floors' statistics, ``strict`` and ``practical``
+            (:mod:`~kv_picker_bench.harness.floors`): two more rows, and each policy's TTFT
+            over the practical floor (mean to mean, p90 to p90).
+    """
+    practical = floors["practical"] if floors else None
     lines = [
         "| policy | ok | errors | shed | TTFT s (mean / p50 / p90 / p99) "
-        "| TPOT ms (mean / p50 / p90 / p99) | E2E s (mean / p50 / p90 / p99) "
+        + ("| TTFT ÷ floor (mean / p90) " if practical else "")
+        + "| TPOT ms (mean / p50 / p90 / p99) | E2E s (mean / p50 / p90 / p99) "
         "| output tok/s | token hit ratio | imbalance (max/mean) | P/D transfer GB |",
-        "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|" + ("---|" if practical else "") + "---|---|---:|---:|---:|---:|",
     ]
+    gap = "| " if practical else ""
     for row in rows:
+        to_floor = ""
+        if practical:
+            mean = row.ttft_s["mean"] / practical["mean"] if practical["mean"] > 0 else math.nan
+            p90 = row.ttft_s["p90"] / practical["p90"] if practical["p90"] > 0 else math.nan
+            to_floor = f"| {_fmt(mean)} / {_fmt(p90)} "
         lines.append(
             f"| {row.policy} | {row.ok} | {row.errors + row.rejected} | {row.shed} "
-            f"| {_quad(row.ttft_s)} | {_quad(row.tpot_s, 1000.0, 1)} | {_quad(row.e2e_s)} "
+            f"| {_quad(row.ttft_s)} {to_floor}| {_quad(row.tpot_s, 1000.0, 1)} "
+            f"| {_quad(row.e2e_s)} "
             f"| {row.output_tokens_per_s:,.0f} | {row.hit_ratio:.3f} | {_fmt(row.imbalance)} "
             f"| {row.transferred_bytes / 1e9:.1f} |"
         )
+    if floors:
+        for name, label in (("practical", "pooled LRU"), ("strict", "unbounded cache")):
+            lines.append(
+                f"| *floor: zero queue, {label}* | | | | {_quad(floors[name])} {gap}| | | | | | |"
+            )
     if bounds:
         lines.append(
-            f"| *bound: unbounded single cache* | | | | | | | | {bounds['unbounded']:.3f} | | |"
+            f"| *bound: unbounded single cache* | | | | {gap}| | | | {bounds['unbounded']:.3f} "
+            "| | |"
         )
         lines.append(
             f"| *bound: pooled LRU ({format_tokens(bounds['pooled_capacity_tokens'])} tokens)* "
-            f"| | | | | | | | {bounds['pooled_lru']:.3f} | | |"
+            f"| | | | {gap}| | | | {bounds['pooled_lru']:.3f} | | |"
         )
     return "\n".join(lines)
 
@@ -330,17 +298,26 @@ def _pyplot() -> Any:
 
 
 def plot_cdfs(
-    latencies: Mapping[str, Sequence[float]], path: Path, title: str, xlabel: str
+    latencies: Mapping[str, Sequence[float]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    floor: Sequence[float] | None = None,
 ) -> None:
-    """Empirical CDF per policy on a log x axis."""
+    """Empirical CDF per policy on a log x axis (and the zero-queue floor's, dashed)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for name, values in latencies.items():
+    series = [(name, values, "-") for name, values in latencies.items()]
+    if floor is not None:
+        series.append(("floor: zero queue, pooled LRU", floor, "--"))
+    for name, values, style in series:
         ordered = sorted(v for v in values if not math.isnan(v) and v > 0)
         if not ordered:
             continue
         count = len(ordered)
-        ax.plot(ordered, [(i + 1) / count for i in range(count)], label=name, linewidth=1.4)
+        color = "black" if style == "--" else None
+        ax.plot(ordered, [(i + 1) / count for i in range(count)], style, label=name,
+                linewidth=1.4, color=color)  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of requests")

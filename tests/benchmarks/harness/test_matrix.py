@@ -1,0 +1,157 @@
+"""The routing matrix: cells, ratios to the best policy, the default's verdict, and a quick
+run through the command line (the full matrix is documented in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kv_picker_bench.harness import matrix
+from kv_picker_bench.harness.matrix import (
+    CLUSTERS,
+    FAMILIES,
+    HELD_OUT,
+    TUNING,
+    Cell,
+    CellResult,
+    cell_ratios,
+    default_verdict,
+    summarize_policies,
+)
+from kv_picker_bench.harness.report import PolicyMetrics
+
+
+def metrics(name: str, mean: float, p90: float, throughput: float) -> PolicyMetrics:
+    stats = {"mean": mean, "p50": mean, "p90": p90, "p99": p90}
+    return PolicyMetrics(
+        policy=name,
+        requests=10,
+        ok=10,
+        rejected=0,
+        shed=0,
+        errors=0,
+        ttft_s=stats,
+        tpot_s=stats,
+        e2e_s=stats,
+        output_tokens_per_s=throughput,
+        requests_per_s=1.0,
+        sustained_tokens_per_s=throughput,
+        hit_ratio=0.5,
+        imbalance=1.0,
+        imbalance_busy=1.0,
+        transferred_tokens=0,
+        transferred_bytes=0.0,
+        makespan_s=10.0,
+        wall_s=0.1,
+    )
+
+
+def cell_result(*rows: PolicyMetrics, family: str = "chat") -> CellResult:
+    floors = {"strict": {"mean": 0.1, "p50": 0.1, "p90": 0.1, "p99": 0.1}}
+    floors["practical"] = floors["strict"]
+    return CellResult(
+        Cell(family, 0.6, "small4", "llama-3.1-8b-h100"),
+        10,
+        1.0,
+        {row.policy: row for row in rows},
+        floors,
+        {"unbounded": 0.5, "pooled_lru": 0.5, "pooled_capacity_tokens": 1000},
+    )
+
+
+def test_ratios_are_to_the_best_of_the_cell() -> None:
+    result = cell_result(
+        metrics("kv-picker", 1.0, 2.0, 100.0),
+        metrics("gie-default", 2.0, 2.0, 50.0),
+        metrics("random", 4.0, 1.0, 80.0),
+    )
+    ratios = cell_ratios(result)
+    assert ratios["kv-picker"].ttft_mean == 1.0 and ratios["random"].ttft_mean == 4.0
+    assert ratios["kv-picker"].ttft_p90 == 2.0 and ratios["random"].ttft_p90 == 1.0
+    assert ratios["gie-default"].throughput == 0.5
+
+
+def test_the_verdict_names_every_reason() -> None:
+    good = cell_result(metrics("kv-picker", 1.02, 1.0, 99.0), metrics("gie-default", 1.5, 2, 90))
+    verdict = default_verdict(good)
+    assert verdict is not None and verdict.passed and not verdict.reasons
+    bad = cell_result(
+        metrics("kv-picker", 1.2, 1.0, 90.0),
+        metrics("gie-default", 1.1, 1.0, 95.0),
+        metrics("dynamo-cost", 1.0, 1.0, 100.0),
+    )
+    verdict = default_verdict(bad)
+    assert verdict is not None and not verdict.passed
+    text = "; ".join(verdict.reasons)
+    assert "TTFT mean 1.20x the best" in text
+    assert "TTFT mean worse than gie-default" in text
+    assert "throughput below gie-default" in text
+    assert "p90" not in text
+    assert default_verdict(cell_result(metrics("random", 1, 1, 1))) is None  # did not run
+
+
+def test_policy_summaries_take_the_worst_cell() -> None:
+    results = [
+        cell_result(metrics("kv-picker", 1.0, 1.0, 100), metrics("random", 2.0, 2.0, 50)),
+        cell_result(
+            metrics("kv-picker", 3.0, 1.0, 100), metrics("random", 1.0, 1.0, 100), family="rag"
+        ),
+    ]
+    by_name = {s.policy: s for s in summarize_policies(results)}
+    mine = by_name["kv-picker"]
+    assert mine.worst_ttft_mean[0] == 3.0 and "rag" in mine.worst_ttft_mean[1]
+    assert mine.geo_ttft_mean == pytest.approx(math.sqrt(3.0))
+    assert by_name["random"].worst_throughput[0] == 0.5
+
+
+def test_every_family_is_in_one_split_and_pd_only_for_long_prompts() -> None:
+    splits = {f.split for f in FAMILIES.values()}
+    assert splits == {TUNING, HELD_OUT}
+    assert sum(f.split == TUNING for f in FAMILIES.values()) >= 4
+    assert sum(f.split == HELD_OUT for f in FAMILIES.values()) >= 4
+    assert CLUSTERS["pd"].pd and not CLUSTERS["small4"].pd
+
+
+def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
+    code = matrix.main(
+        [
+            "--quick",
+            "--families",
+            "chat,rag",
+            "--clusters",
+            "small4",
+            "--loads",
+            "0.4,1.1",
+            "--timing",
+            "llama-3.1-8b-h100",
+            "--policy",
+            "round-robin",
+            "--policy",
+            "gie-default",
+            "--policy",
+            "kv-picker",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+            "--jobs",
+            "1",
+        ]
+    )
+    assert code == 0
+    document = json.loads((tmp_path / "matrix.json").read_text())
+    cells = document["cells"]
+    assert len(cells) == 4
+    for cell in cells:
+        assert set(cell["policies"]) == {"round-robin", "gie-default", "kv-picker"}
+        assert max(cell["prefill_load"], cell["decode_load"]) == pytest.approx(cell["load"])
+        assert min(r["ttft_mean"] for r in cell["ratios"].values()) == pytest.approx(1.0)
+        assert cell["default_verdict"] is not None
+        for policy in cell["policies"].values():  # nobody beats the zero-queue floor
+            assert policy["ttft_s"]["mean"] >= cell["floors"]["strict"]["mean"] - 1e-9
+    text = (tmp_path / "matrix.md").read_text()
+    assert "## Summary: ratio to the best policy of each cell" in text
+    assert "chat / 0.4 / small4 / llama-3.1-8b-h100" in text
+    assert (tmp_path / "default_heatmap.png").stat().st_size > 0
