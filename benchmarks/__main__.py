@@ -13,6 +13,7 @@ COMMANDS = {
     "replay": "kv_picker_bench.harness.replay",
     "sweep": "kv_picker_bench.harness.sweep",
     "matrix": "kv_picker_bench.harness.matrix",
+    "families": "kv_picker_bench.harness.families",
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
 }
@@ -23,12 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
         print("usage: kv-picker bench {" + ",".join(COMMANDS) + "} [--help]")
         print("  overhead   latency/throughput added by kv-picker vs Envoy routing directly")
-        print("  pd         P/D vs aggregated vs hardware-blind on a heterogeneous pool")
+        print("  pd         P/D vs aggregated (hardware-aware, -blind) on a heterogeneous pool")
         print("  kv-index   precise KV index: event ingestion, lookup latency, memory, Redis")
         print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")
         print("  replay     offline trace replay: every routing policy on the cluster simulator")
         print("  sweep      offline replay at several offered loads x policies")
         print("  matrix     every policy on workload families x loads x clusters x timings")
+        print("  families   the trace generators --trace accepts, their parameters and ranges")
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
         return 0 if args and args[0] in ("-h", "--help") else 2

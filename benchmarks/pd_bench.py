@@ -2,12 +2,17 @@
 
 Six simulated endpoints (2 x H100, 4 x A100 by default) behind real Envoy and kv-picker, one
 mixed workload (a share of long, mostly unique documents among short chat turns, Poisson
-arrivals), three policies in one run, endpoint caches reset between them:
+arrivals), four policies in one run, endpoint caches reset between them:
 
-- ``hardware-blind``: kv-picker's default profile over all six, roles and classes ignored;
-- ``aggregated``: the same plus ``hardware-class-scorer`` (each endpoint does both phases);
+- ``hardware-blind``: the previous built-in default (prefix 3, queue 1, kv-utilization 1,
+  active requests 1) over all six, roles and classes ignored;
+- ``class-preference``: the same plus ``hardware-class-scorer`` (weight 2), a static
+  preference for the faster class;
+- ``default``: the built-in default, aggregated (its latency estimate and its in-flight load
+  divide by each endpoint's class speed);
 - ``pd``: the H100s prefill only, the A100s decode, ``pd-profile-handler`` disaggregating
-  prompts with at least ``--threshold`` uncached tokens (shorter ones stay on a decode endpoint).
+  prompts with at least ``--threshold`` uncached tokens (shorter ones stay on a decode
+  endpoint); both profiles score with the default's three scorers.
 
 TTFT and TPOT are the simulated endpoints' own model-time figures for each request (the prefill
 leg and the KV transfer included), so host noise does not enter them.
@@ -27,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
 from kv_picker_bench.client import percentile
 from kv_picker_bench.localstack import LocalStack, SimSpec
 from kv_picker_bench.workloads import words
@@ -34,68 +40,55 @@ from kv_picker_bench.workloads import words
 CLASS_LABEL = "kv-picker.io/hardware-class"
 ROLE_LABEL = "llm-d.ai/role"
 
-_LOAD = [
+_PREVIOUS = [
     {"type": "prefix-cache-scorer"},
     {"type": "queue-scorer"},
     {"type": "kv-cache-utilization-scorer"},
-    {"type": "active-request-scorer"},
+    {"type": "active-request-scorer", "name": "active-requests"},
 ]
-_LOAD_REFS = [
+_PREVIOUS_REFS = [
     {"pluginRef": "prefix-cache-scorer", "weight": 3},
     {"pluginRef": "queue-scorer"},
     {"pluginRef": "kv-cache-utilization-scorer"},
-    {"pluginRef": "active-request-scorer"},
+    {"pluginRef": "active-requests"},
+]
+# The built-in default's scorers (everything but its picker), for the P/D profiles too.
+_DEFAULT = [dict(p) for p in DEFAULT_PLUGINS if p["type"] != "max-score-picker"]
+_DEFAULT_REFS = [
+    dict(r) for r in DEFAULT_PROFILE["plugins"] if r["pluginRef"] != "max-score-picker"
 ]
 
 
 def policies(threshold: int) -> dict[str, dict[str, Any]]:
-    """The three configs, by name."""
+    """The four configs, by name."""
     return {
-        "hardware-blind": {},
-        "aggregated": {
-            "plugins": [*_LOAD, {"type": "hardware-class-scorer"}],
+        "hardware-blind": {
+            "plugins": _PREVIOUS,
+            "schedulingProfiles": [{"name": "default", "plugins": _PREVIOUS_REFS}],
+        },
+        "class-preference": {
+            "plugins": [*_PREVIOUS, {"type": "hardware-class-scorer"}],
             "schedulingProfiles": [
                 {
                     "name": "default",
-                    "plugins": [*_LOAD_REFS, {"pluginRef": "hardware-class-scorer", "weight": 2}],
+                    "plugins": [
+                        *_PREVIOUS_REFS,
+                        {"pluginRef": "hardware-class-scorer", "weight": 2},
+                    ],
                 }
             ],
         },
+        "default": {},
         "pd": {
             "plugins": [
-                *_LOAD,
+                *_DEFAULT,
                 {"type": "decode-filter"},
                 {"type": "prefill-filter"},
-                {
-                    "type": "hardware-class-scorer",
-                    "name": "compute-rich",
-                    "parameters": {"phase": "prefill"},
-                },
-                {
-                    "type": "hardware-class-scorer",
-                    "name": "bandwidth-rich",
-                    "parameters": {"phase": "decode"},
-                },
                 {"type": "pd-profile-handler", "parameters": {"nonCachedTokens": threshold}},
             ],
             "schedulingProfiles": [
-                {
-                    "name": "decode",
-                    "plugins": [
-                        {"pluginRef": "decode-filter"},
-                        *_LOAD_REFS,
-                        {"pluginRef": "bandwidth-rich"},
-                    ],
-                },
-                {
-                    "name": "prefill",
-                    "plugins": [
-                        {"pluginRef": "prefill-filter"},
-                        {"pluginRef": "queue-scorer"},
-                        {"pluginRef": "active-request-scorer"},
-                        {"pluginRef": "compute-rich", "weight": 2},
-                    ],
-                },
+                {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}, *_DEFAULT_REFS]},
+                {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}, *_DEFAULT_REFS]},
             ],
         },
     }
@@ -236,7 +229,8 @@ def format_table(rows: Sequence[PolicyResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kv-picker bench pd",
-        description="P/D with a threshold vs aggregated vs hardware-blind routing on a "
+        description="P/D with a threshold vs the aggregated default vs a static class preference "
+        "vs hardware-blind routing on a "
         "heterogeneous pool of simulated endpoints, through real Envoy and kv-picker.",
     )
     parser.add_argument("--fast", type=int, default=2, help="H100 endpoints (2)")

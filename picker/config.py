@@ -101,7 +101,9 @@ IGNORED_SECTIONS = (
 #   endpoint's hardware class;
 # - active-request-scorer (3), counting the prompt tokens in flight (the KV each decode step
 #   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
-#   once batches fill and which the TTFT estimate cannot see coming;
+#   once batches fill and which the TTFT estimate cannot see coming; below 16,384 tokens in
+#   flight on the busiest candidate (fullScale: about 1 ms of KV read per decode step for an 8B
+#   model on an H100) differences count only in proportion, so an idle pool keeps affinity;
 # - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
 #   (the latency estimate already counts cached tokens as free).
 #
@@ -111,7 +113,10 @@ IGNORED_SECTIONS = (
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {"type": "prefix-cache-scorer"},
     {"type": "predicted-latency-scorer"},
-    {"type": "active-request-scorer", "parameters": {"unit": "tokens", "perHardware": True}},
+    {
+        "type": "active-request-scorer",
+        "parameters": {"unit": "tokens", "perHardware": True, "fullScale": 16384},
+    },
     {"type": "max-score-picker"},
 )
 DEFAULT_PROFILE: Mapping[str, Any] = {

@@ -7,8 +7,10 @@ picker itself, so it moves on every pick, not on every scrape), or their prompt 
 they hold) with ``unit: tokens``, divided by the endpoint's relative decode speed when
 ``perHardware`` (an A100 decodes 0.61 as fast as an H100, so 6 requests there weigh like 10 on
 an H100), and ``max_n`` the largest among the candidates: ``n <= idleThreshold`` -> 1.0, else
-``(max_n - n) / max_n``. Relative to the busiest candidate rather than min-max, so one request
-more than a neighbour costs a little, not everything.
+``1 - n / max(max_n, fullScale)``. Relative to the busiest candidate rather than min-max,
+so one request more than a neighbour costs a little, not everything; and with ``fullScale``, a
+difference counts in full only once the busiest candidate holds that much, so on a lightly
+loaded pool a few requests in flight do not outweigh a cache hit.
 
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count
@@ -17,7 +19,8 @@ reacts at once and spreads the burst.
 Inputs: the picker's in-flight accounting (incremented at the pick, decremented when the
 response ends or the stream closes).
 Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (or tokens) in
-flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false).
+flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
+(0: always relative to the busiest candidate), in the unit's terms.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class ActiveRequestParams:
     idleThreshold: Annotated[int, NonNegative] = 0
     unit: Literal["requests", "tokens"] = "requests"
     perHardware: bool = False
+    fullScale: Annotated[float, NonNegative] = 0.0
 
 
 class ActiveRequestScorer:
@@ -50,6 +54,7 @@ class ActiveRequestScorer:
             store.in_flight_tokens if params.unit == "tokens" else store.in_flight
         )
         self._idle = params.idleThreshold
+        self._scale = params.fullScale
         self._hardware = ctx.hardware if params.perHardware else None
         self._loads: list[float] = []
 
@@ -58,16 +63,18 @@ class ActiveRequestScorer:
         hardware = self._hardware
         if hardware is None:
             busiest = max(in_flight[e.id] for e in candidates)
+            span = max(busiest, self._scale)
             idle = self._idle
             for i, endpoint in enumerate(candidates):
                 count = in_flight[endpoint.id]
-                out[i] = 1.0 if count <= idle else (busiest - count) / busiest
+                out[i] = 1.0 if count <= idle else 1.0 - count / span
             return
         loads = self._loads
         loads.clear()
         for endpoint in candidates:
             loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
         busiest = max(loads)
+        span = max(busiest, self._scale)
         idle = self._idle
         for i, load in enumerate(loads):
-            out[i] = 1.0 if load <= idle else (busiest - load) / busiest
+            out[i] = 1.0 if load <= idle else 1.0 - load / span

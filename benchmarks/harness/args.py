@@ -84,10 +84,10 @@ def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True)
         help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line), "
         f"a trace NAME found as NAME_trace.jsonl or NAME.jsonl in ${TRACES_ENV} (default: "
         "shared/traces next to the repository; e.g. 'conversation' for Mooncake's "
-        "conversation_trace.jsonl), or a generator: shared-prefix:groups=150,users=5,"
-        "context=6000,question=1200,output=1000,requests=2000,rate=20 | llm-d (llm-d's "
-        "published workload and load ladder) | "
-        "chat:sessions=200,turns=5,system=1000,user=200,output=200,think=10,rate=2",
+        "conversation_trace.jsonl), or a generator NAME[:KEY=VALUE,...] with NAME one of "
+        f"{', '.join(GENERATORS)} (e.g. 'zipf-prefix:seed=1,requests=400'; 'seed=N' draws the "
+        "family's ranged parameters, 'llm-d' is llm-d's published workload and load ladder; "
+        "'kv-picker bench families' lists their parameters)",
     )
     group.add_argument("--first", type=int, metavar="N", help="keep the first N requests")
     group.add_argument(

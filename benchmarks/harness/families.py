@@ -41,8 +41,11 @@ and, for adapters and salts, from the cache namespaces of
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -1028,3 +1031,55 @@ def _parse_value(name: str, key: str, kind: str, raw: str) -> Any:
     except ValueError:
         raise TraceError(f"{name}: parameter {key!r}: bad value {raw!r}") from None
     return raw
+
+
+# ---------------------------------------------------------------------------- listing
+
+
+def describe(name: str, seed: int | None = None) -> str:
+    """A generator's parameters as text: default, the range a seed draws from, and the draw.
+
+    Raises:
+        TraceError: An unknown generator.
+    """
+    family = GENERATORS.get(name)
+    if family is None:
+        raise TraceError(f"unknown generator {name!r}; generators: {', '.join(GENERATORS)}")
+    aliases = {target: alias for alias, target in _SPEC_ALIASES.items()}
+    ranges = family.ranges()
+    drawn = family.spec(seed) if seed is not None else None
+    lines = [f"{family.name}: {family.description}"]
+    for spec_field in dataclasses.fields(family.spec_type):
+        if spec_field.name == "seed":
+            continue
+        label = spec_field.name
+        if spec_field.name in aliases:
+            label += f" ({aliases[spec_field.name]})"
+        default = dict(family.preset).get(spec_field.name, spec_field.default)
+        text = f"  {label:<28} {spec_field.type!s:<6} default {default!r}"
+        span = ranges.get(spec_field.name)
+        if span is not None:
+            text += f", seed draws {span.low:g}..{span.high:g}" + (" (log)" if span.log else "")
+        if drawn is not None:
+            text += f"; seed {seed}: {getattr(drawn, spec_field.name)!r}"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kv-picker bench families [NAME] [--seed N]``: lists the generators and parameters."""
+    parser = argparse.ArgumentParser(
+        prog="kv-picker bench families",
+        description="The trace generators --trace NAME:KEY=VALUE,... accepts: every parameter "
+        "with its default and the range 'seed=N' draws it from.",
+    )
+    parser.add_argument("name", nargs="?", help="one generator (default: all)")
+    parser.add_argument("--seed", type=int, help="also show what this seed draws")
+    args = parser.parse_args(list(argv))
+    try:
+        names = [args.name] if args.name else list(GENERATORS)
+        print("\n\n".join(describe(name, args.seed) for name in names))
+    except TraceError as exc:
+        print(f"kv-picker bench families: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

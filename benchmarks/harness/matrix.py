@@ -5,11 +5,11 @@ A default routing profile has to be good on traffic it was never tuned on, so it
 matrix rather than on one trace:
 
 ```
-family (tuning | held-out)   load (of prefill capacity)   cluster              timing
-conversation, llm-d, chat,   0.3  0.6  0.9  1.2           h100x16, mixed,      8B on H100,
-zipf-prefix, long-doc-qa,                                 small4, pd (long     70B at TP4
-agentic, rag, mixed, lora,                                prompts only)
-tenants
+family (tuning | held-out)     load (binding resource)   cluster              timing
+conversation, shared-prefix,   0.3  0.6  0.9  1.2        h100x16, mixed,      8B on H100,
+chat, zipf-prefix, agentic |                             small4, pd (long     70B at TP4
+long-doc-qa, rag, mixed,                                 prompts only)
+lora, tenants
 ```
 
 - **Families** are trace generators with randomized parameters under a seed

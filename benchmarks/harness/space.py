@@ -11,9 +11,9 @@ A space file (``--space FILE.yaml``) is YAML, a mapping with ``dimensions`` or t
 
 ```yaml
 dimensions:
-- plugin: queue-scorer                  # a plugin's name in the base, or its type
+- plugin: active-request-scorer         # a plugin's name in the base, or its type
   weight: {low: 0, high: 4, step: 0.25}
-- plugin: predicted-latency-scorer      # not in the base: added to the profile when tried
+- plugin: queue-scorer                  # not in the base: added to the profile when tried
   weight: {low: 0.25, high: 8, log: true, optional: true}    # optional: also tried left out
 - plugin: prefix-cache-scorer
   parameter: blockSizeChars
@@ -74,16 +74,20 @@ from kv_picker.scheduling.registry import Registry
 
 DEFAULT_SPACE = """\
 # The built-in search space of `kv-picker tune`: the weights of the built-in default profile's
-# scorers, predicted-latency-scorer (which that profile lacks; tried in and out), and the
-# parameters that change which endpoint wins. predicted-latency-scorer's prefillTokensPerSecond
-# is left out on purpose: when the picker sent all the queued work itself, as in a replay, the
-# rate cancels out of its ranking.
+# three scorers, two scraped load signals it leaves out (tried in and out), and the parameters
+# that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
+# affinity on a lightly loaded pool). predicted-latency-scorer's prefillTokensPerSecond is left
+# out on purpose: when the picker sent all the queued work itself, as in a replay, the rate
+# cancels out of its ranking.
 dimensions:
 - {plugin: prefix-cache-scorer, weight: {low: 0, high: 8, step: 0.25}}
-- {plugin: queue-scorer, weight: {low: 0, high: 4, step: 0.25}}
-- {plugin: kv-cache-utilization-scorer, weight: {low: 0, high: 4, step: 0.25}}
-- {plugin: active-request-scorer, weight: {low: 0, high: 4, step: 0.25}}
-- {plugin: predicted-latency-scorer, weight: {low: 0.25, high: 8, step: 0.25, optional: true}}
+- {plugin: predicted-latency-scorer, weight: {low: 0, high: 8, step: 0.25}}
+- {plugin: active-request-scorer, weight: {low: 0, high: 8, step: 0.25}}
+- {plugin: queue-scorer, weight: {low: 0.25, high: 4, step: 0.25, optional: true}}
+- {plugin: kv-cache-utilization-scorer, weight: {low: 0.25, high: 4, step: 0.25, optional: true}}
+- plugin: active-request-scorer
+  parameter: fullScale
+  choices: [0, 16384, 32768, 65536, 131072, 262144]
 - {plugin: prefix-cache-scorer, parameter: blockSizeChars, choices: [32, 64, 128, 256]}
 - plugin: prefix-cache-scorer
   parameter: maxPrefixBlocksToMatch

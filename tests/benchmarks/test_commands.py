@@ -91,7 +91,7 @@ def test_pd_benchmark_smoke(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["policy"]: row for row in json.loads((tmp_path / "pd.json").read_text())}
-    assert set(rows) == {"hardware-blind", "aggregated", "pd"}
+    assert set(rows) == {"hardware-blind", "class-preference", "default", "pd"}
     assert all(row["errors"] == 0 for row in rows.values())
     assert rows["pd"]["disaggregated"] > 0
-    assert rows["hardware-blind"]["disaggregated"] == 0
+    assert rows["hardware-blind"]["disaggregated"] == rows["default"]["disaggregated"] == 0

@@ -106,8 +106,7 @@ def test_explain_shows_every_scorer_for_every_endpoint(tmp_path: Path) -> None:
     assert len(profile["candidates"]) == 3
     assert set(profile["candidates"][0]["scores"]) == {
         "prefix-cache-scorer",
-        "queue-scorer",
-        "kv-cache-utilization-scorer",
+        "predicted-latency-scorer",
         "active-request-scorer",
     }
     assert profile["picked"][0] == profile["candidates"][0]["address"]

@@ -54,12 +54,14 @@ def test_upstream_header_and_ignored_sections_accepted() -> None:
 def test_empty_config_is_the_builtin_default() -> None:
     config = parse_config_text("", REGISTRY)
     refs = [entry.plugin_ref for entry in config.profiles[0].entries]
-    assert refs[:4] == [
+    assert refs == [
         "prefix-cache-scorer",
-        "queue-scorer",
-        "kv-cache-utilization-scorer",
+        "predicted-latency-scorer",
         "active-request-scorer",
+        "max-score-picker",
     ]
+    weights = [entry.weight for entry in config.profiles[0].entries[:3]]
+    assert weights == [1, 1, 3]
     assert config == parse_config({}, REGISTRY, source="<text>")
 
 

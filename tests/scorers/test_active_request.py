@@ -35,6 +35,19 @@ def test_idle_threshold_and_an_idle_pool() -> None:
     assert scores(plain, 3, store) == [1.0, 1.0, 1.0]
 
 
+def test_full_scale_damps_differences_on_a_lightly_loaded_pool() -> None:
+    store = make_store(3)
+    params = decode(ActiveRequestParams, {"unit": "tokens", "fullScale": 100000}, "parameters")
+    scorer = ActiveRequestScorer("a", params, make_context(store))
+    store.in_flight_tokens[:3] = [0, 20000, 40000]  # light: below the scale
+    assert scores(scorer, 3, store) == pytest.approx([1.0, 0.8, 0.6])
+    store.in_flight_tokens[:3] = [0, 100000, 200000]  # heavy: relative to the busiest again
+    assert scores(scorer, 3, store) == pytest.approx([1.0, 0.5, 0.0])
+    plain = ActiveRequestScorer("a", ActiveRequestParams(unit="tokens"), make_context(store))
+    store.in_flight_tokens[:3] = [0, 20000, 40000]
+    assert scores(plain, 3, store) == pytest.approx([1.0, 0.5, 0.0])
+
+
 def test_it_follows_the_directors_picks_and_releases() -> None:
     director = make_director(
         {

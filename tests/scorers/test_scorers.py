@@ -9,7 +9,14 @@ from kv_picker.scorers.kv_cache_utilization import (
 )
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from kv_picker.scorers.queue import QueueParams, QueueScorer
-from tests.fakes import ManualClock, make_context, make_request, make_scheduler, make_store
+from tests.fakes import (
+    ManualClock,
+    make_context,
+    make_director,
+    make_request,
+    make_scheduler,
+    make_store,
+)
 
 
 def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
@@ -78,20 +85,21 @@ def test_prefix_affinity_through_scheduler() -> None:
 
 def test_default_profile_spreads_requests_sharing_only_a_first_block() -> None:
     # The Mooncake conversation trace: every request starts with the same block, then differs.
-    # With requests in flight, the default profile must not pin them all on one endpoint.
-    store = make_store(4)
-    scheduler = make_scheduler({}, store, seed=5)
+    # With requests in flight, the default profile must not pin them all on one endpoint. The
+    # director does the accounting the scorers read (prefill queued until the first byte, prompt
+    # tokens in flight until the end); prompts are long enough for in-flight spreading to count.
+    director = make_director({}, store=make_store(4))
     counts: Counter[str] = Counter()
     in_flight = []
     for i in range(400):
-        prompt = "S" * 64 + f"session-{i}-" + "x" * 600
-        endpoint = scheduler.schedule(make_request(prompt), store.all()).primary.targets[0]
-        store.in_flight[endpoint.id] += 1
-        in_flight.append(endpoint)
-        counts[endpoint.address] += 1
-        if len(in_flight) > 8:  # requests complete after a while
+        prompt = "S" * 64 + f"session-{i}-" + "x" * 24000
+        routed = director.route(make_request(prompt, request_id=f"r{i}"))
+        in_flight.append(routed)
+        counts[routed.endpoint.address] += 1
+        if len(in_flight) > 8:  # requests complete after a while, oldest first
             done = in_flight.pop(0)
-            store.in_flight[done.id] -= 1
+            done.first_byte()
+            done.finish()
     assert len(counts) == 4
     assert max(counts.values()) < 0.4 * 400
 

@@ -331,3 +331,28 @@ def test_each_family_replays_offline(name: str, tmp_path: Path) -> None:
     for metrics in document["loads"]["1"]["policies"].values():
         assert metrics["ok"] == count
         assert metrics["errors"] == metrics["rejected"] == metrics["shed"] == 0
+
+
+def test_families_command_lists_defaults_ranges_and_a_seed_draw(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kv_picker_bench.harness.families import main
+
+    assert main(["zipf-prefix", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    drawn = FAMILIES["zipf-prefix"].spec(1)
+    groups = next(line for line in out.splitlines() if line.strip().startswith("groups "))
+    assert "default 48" in groups and "seed draws 16..128 (log)" in groups
+    assert groups.endswith(f"seed 1: {drawn.groups!r}")  # type: ignore[attr-defined]
+    assert "zipf_exponent (zipf)" in out  # the short alias --trace accepts
+
+    assert main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"\n{name}: " in "\n" + listing for name in GENERATORS)
+
+
+def test_families_command_rejects_an_unknown_generator(capsys: pytest.CaptureFixture[str]) -> None:
+    from kv_picker_bench.harness.families import main
+
+    assert main(["nope"]) == 2
+    assert "unknown generator 'nope'; generators: shared-prefix" in capsys.readouterr().err

@@ -138,9 +138,11 @@ def default_space(base: dict[str, Any] | None = None) -> Space:
 def test_the_default_space_starts_from_the_built_in_default() -> None:
     space = default_space()
     assert space.base_values is not None
-    assert space.base_values["prefix-cache-scorer.weight"] == 3
-    assert space.base_values["predicted-latency-scorer.enabled"] is False
-    assert "predicted-latency-scorer.weight" not in space.base_values
+    assert space.base_values["prefix-cache-scorer.weight"] == 1
+    assert space.base_values["active-request-scorer.weight"] == 3
+    assert space.base_values["active-request-scorer.fullScale"] == 16384
+    assert space.base_values["queue-scorer.enabled"] is False
+    assert "queue-scorer.weight" not in space.base_values
     document, chosen = space.build(FixedChooser(space.base_values))
     assert chosen == space.base_values
     registry = harness_registry()
@@ -157,18 +159,18 @@ def test_an_optional_scorer_goes_in_before_the_picker_with_its_parameters() -> N
     assert space.base_values is not None
     params = {
         **space.base_values,
-        "predicted-latency-scorer.enabled": True,
-        "predicted-latency-scorer.weight": 2.5,
+        "queue-scorer.enabled": True,
+        "queue-scorer.weight": 2.5,
         "predicted-latency-scorer.queuedRequestSeconds": 0.3,
-        "queue-scorer.weight": 0.0,
+        "prefix-cache-scorer.weight": 0.0,
     }
     document, _ = space.build(FixedChooser(params))
     refs = document["schedulingProfiles"][0]["plugins"]
-    assert [r["pluginRef"] for r in refs][-2:] == ["predicted-latency-scorer", "max-score-picker"]
+    assert [r["pluginRef"] for r in refs][-2:] == ["queue-scorer", "max-score-picker"]
     assert refs[-2]["weight"] == 2.5
-    assert {"pluginRef": "queue-scorer", "weight": 0.0} in refs
+    assert {"pluginRef": "prefix-cache-scorer", "weight": 0.0} in refs
     (latency,) = [p for p in document["plugins"] if p["type"] == "predicted-latency-scorer"]
-    assert latency["parameters"] == {"queuedRequestSeconds": 0.3}
+    assert latency["parameters"]["queuedRequestSeconds"] == 0.3
     parse_config(document, harness_registry())
 
 
@@ -218,8 +220,8 @@ def test_a_parameter_given_under_an_alias_is_replaced_not_doubled() -> None:
             "dimensions[0].low: blockSizeChars is an integer",
         ),
         (
-            "- {plugin: predicted-latency-scorer, parameter: charsPerToken, low: 3, high: 5}",
-            "dimensions[0].plugin: predicted-latency-scorer is not in the base profile",
+            "- {plugin: hardware-class-scorer, parameter: phase, choices: [prefill, decode]}",
+            "dimensions[0].plugin: hardware-class-scorer is not in the base profile",
         ),
         ("- {plugin: queue-scorer, weight: {low: 0, high: 1, step: 0.3}}", "step: must divide"),
         ("- {plugin: queue-scorer, weight: {low: 0, high: 1, log: true}}", "low: must be > 0"),
