@@ -941,6 +941,8 @@ def _numbers(windows: Sequence[int]) -> str:
 
 def _value(value: Any) -> str:
     if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))  # 16384.0 -> 16384, not 1.638e+04
         return f"{value:.4g}"
     return str(value)
 
