@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 
 from kv_picker_bench.sim import SimEndpoint, SimEndpointConfig, start_sim_endpoint
+from kv_picker_bench.sim.cache import StoredBlock
 
 # Fast enough for tests (a 20 ms model step sleeps 0.2 ms) while keeping steps ordered in time.
 TEST_TIME_SCALE = 0.01
@@ -48,3 +50,21 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
     """An HTTP client with a bounded total timeout."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
         yield session
+
+
+@dataclass
+class RecordingListener:
+    """A cache listener that records every stored block, removed hash and clear."""
+
+    stored: list[StoredBlock] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: int = 0
+
+    def on_stored(self, blocks: Sequence[StoredBlock]) -> None:
+        self.stored.extend(blocks)
+
+    def on_removed(self, block_hashes: Sequence[int]) -> None:
+        self.removed.extend(block_hashes)
+
+    def on_cleared(self) -> None:
+        self.cleared += 1

@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_picker_bench.sim.cache import BlockHasher, PrefixCache, StoredBlock
-
-
-@dataclass
-class RecordingListener:
-    stored: list[StoredBlock] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    cleared: int = 0
-
-    def on_stored(self, blocks: Sequence[StoredBlock]) -> None:
-        self.stored.extend(blocks)
-
-    def on_removed(self, block_hashes: Sequence[int]) -> None:
-        self.removed.extend(block_hashes)
-
-    def on_cleared(self) -> None:
-        self.cleared += 1
+from tests.benchmarks.sim.conftest import RecordingListener
 
 
 def _stored(keys: Sequence[int]) -> list[StoredBlock]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import pytest
 
-from kv_picker_bench.sim.cache import StoredBlock
 from kv_picker_bench.sim.engine import (
     HARDWARE_CLASSES,
     EngineConfig,
@@ -21,6 +19,7 @@ from kv_picker_bench.sim.engine import (
     hardware_class,
 )
 from kv_picker_bench.sim.timing import LEGACY
+from tests.benchmarks.sim.conftest import RecordingListener
 
 
 @dataclass
@@ -270,24 +269,8 @@ def test_abort_frees_blocks_and_counts() -> None:
     assert engine.stats.finished_by_reason == {"abort": 2}
 
 
-@dataclass
-class Listener:
-    stored: list[StoredBlock] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    cleared: int = 0
-
-    def on_stored(self, blocks: Sequence[StoredBlock]) -> None:
-        self.stored.extend(blocks)
-
-    def on_removed(self, block_hashes: Sequence[int]) -> None:
-        self.removed.extend(block_hashes)
-
-    def on_cleared(self) -> None:
-        self.cleared += 1
-
-
 def test_listener_sees_stored_blocks_with_tokens_and_parents() -> None:
-    listener = Listener()
+    listener = RecordingListener()
     engine = SimEngine(EngineConfig(max_num_batched_tokens=40), listener)
     tokens = prompt(4, 70)
     engine.add_request("a", tokens, 1, now_s=0.0)
