@@ -1,23 +1,35 @@
-"""What does kv-picker add to a request? Envoy routed directly vs Envoy + kv-picker.
+"""What does kv-picker add to a request? Envoy direct, Envoy + a trivial ext_proc, Envoy + kv-picker.
 
-Both paths run in the same process tree at the same time, against the same simulated
-endpoints (whose model time is scaled to almost nothing, so the figures are the gateway's):
+Three paths run in the same process tree at the same time, against the same simulated endpoints
+(whose model time is scaled to almost nothing, so the figures are the gateway's):
 
 ```
-direct:  client ──(sets x-gateway-destination-endpoint, round robin)──> Envoy A ──> endpoint
-picker:  client ──> Envoy B ──ext_proc──> kv-picker (default profile) ──> endpoint
+direct:   client ──(sets x-gateway-destination-endpoint, round robin)──> Envoy ──> endpoint
+floor:    client ──> Envoy ──ext_proc──> trivial service (fixed pick, body echoed) ──> endpoint
+picker:   client ──> Envoy ──ext_proc──> kv-picker (default profile) ──> endpoint
 ```
 
-Rounds alternate between the two paths so drift on a shared machine hits both alike. Reported:
-latency p50/p99 per path, the added latency (picker - direct), and ratios picker/direct for
-p50, p99 and requests per second.
+The floor is the least any ext_proc picker written in Python costs (the protocol, the body's
+round trip, gRPC): kv-picker's own work is what it adds beyond the floor's added latency. Each
+processing mode gets its own Envoy pair (floor and picker on the same configuration):
+
+- ``streamed``: request body ``FULL_DUPLEX_STREAMED``, responses not sent to the processor;
+- ``buffered``: request body ``BUFFERED``, responses not sent;
+- ``gie``: the GIE reference configuration: full-duplex request and response bodies, response
+  headers and trailers processed too (what kv-picker needs to see first bytes and usage).
+
+Rounds alternate between the paths so drift on a shared machine hits all alike. Reported per
+mode and connection count: p50/p99 and requests per second per path, the added p50 over direct
+of the floor and of the picker, and the ratios picker/floor of added p50 and of throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,6 +46,8 @@ from kv_picker_bench.localstack import (
 )
 from kv_picker_bench.workloads import WorkloadRequest, long_prompt_requests
 
+MODES = ("streamed", "buffered", "gie")
+
 
 @dataclass
 class PathResult:
@@ -46,15 +60,47 @@ class PathResult:
     requests_per_s: float
 
 
+def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters: list[dict[str, Any]] = hcm["typed_config"]["http_filters"]
+    return filters
+
+
 def _direct_envoy(stack: LocalStack) -> tuple[ManagedProcess, int]:
     port, admin = free_port(), free_port()
     bootstrap = envoy_bootstrap(port, admin, ext_proc_port=0)
     # Same listener and ORIGINAL_DST cluster, no ext_proc filter: the client picks.
-    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][1:]
+    filters = _http_filters(bootstrap)
+    del filters[0]
     bootstrap["static_resources"]["clusters"] = bootstrap["static_resources"]["clusters"][:1]
     process = stack.launch_envoy("envoy-direct", bootstrap, admin)
     return process, port
+
+
+def mode_bootstrap(mode: str, port: int, admin: int, ext_proc_port: int) -> dict[str, Any]:
+    """The Envoy configuration of one processing mode (see the module docstring)."""
+    body_mode = "BUFFERED" if mode == "buffered" else "FULL_DUPLEX_STREAMED"
+    bootstrap = envoy_bootstrap(port, admin, ext_proc_port, body_mode)
+    if mode != "gie":
+        processing = _http_filters(bootstrap)[0]["typed_config"]["processing_mode"]
+        processing.update(
+            response_header_mode="SKIP",
+            response_body_mode="NONE",
+            response_trailer_mode="SKIP",
+        )
+    return bootstrap
+
+
+def _floor_service(stack: LocalStack, event_loop: str) -> int:
+    port = free_port()
+    argv = [sys.executable, "-m", "kv_picker_bench.trivial_extproc", "--port", str(port),
+            "--event-loop", event_loop]  # fmt: skip
+    for address in stack.sim_addresses:
+        argv += ["--endpoint", address]
+    process = ManagedProcess("trivial-extproc", argv, stack.workdir / "trivial-extproc.log")
+    stack.processes.append(process)
+    process.wait_until(lambda: "ready" in process.log_tail(), 30.0, "the trivial ext_proc")
+    return port
 
 
 def _summarise(
@@ -103,6 +149,7 @@ def run(
     out_dir: Path | None,
     mode: str = "approximate",
     event_loop: str = "asyncio",
+    processing_modes: Sequence[str] = MODES,
 ) -> list[dict[str, object]]:
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
     precise = mode == "precise"
@@ -113,72 +160,97 @@ def run(
     )
     picker_args = ("--event-loop", event_loop)
     with LocalStack(
-        sims=endpoints, time_scale=0.0001, picker_args=picker_args, **stack_options
+        sims=endpoints,
+        time_scale=0.0001,
+        picker_args=picker_args,
+        start_envoy=False,
+        **stack_options,
     ) as stack:
         _, direct_port = _direct_envoy(stack)
-        direct_url = f"http://127.0.0.1:{direct_port}"
+        floor_grpc = _floor_service(stack, event_loop)
+        urls: dict[str, dict[str, str]] = {}
+        for name in processing_modes:
+            urls[name] = {"direct": f"http://127.0.0.1:{direct_port}"}
+            for path, grpc_port in (("floor", floor_grpc), ("picker", stack.picker_grpc_port)):
+                port, admin = free_port(), free_port()
+                bootstrap = mode_bootstrap(name, port, admin, grpc_port)
+                stack.launch_envoy(f"envoy-{path}-{name}", copy.deepcopy(bootstrap), admin)
+                urls[name][path] = f"http://127.0.0.1:{port}"
         addresses = stack.sim_addresses
         rows: list[dict[str, object]] = []
-        for conns in connections:
-            base = long_prompt_requests(requests, words_per_prompt, seed=conns)
-            direct_requests = [
-                WorkloadRequest(
-                    r.path, r.body, headers={DESTINATION_HEADER: addresses[i % len(addresses)]}
-                )
-                for i, r in enumerate(base)
-            ]
-            # Warm both paths (connections, caches of the processes) before measuring.
-            asyncio.run(replay(direct_url, direct_requests[: 4 * conns], conns))
-            asyncio.run(replay(stack.url, base[: 4 * conns], conns))
-            results: dict[str, list[Outcome]] = {"direct": [], "picker": []}
-            walls = {"direct": 0.0, "picker": 0.0}
-            for _ in range(rounds):
-                for name, url, batch in (
-                    ("direct", direct_url, direct_requests),
-                    ("picker", stack.url, base),
-                ):
-                    started = time.perf_counter()
-                    results[name] += asyncio.run(replay(url, batch, conns))
-                    walls[name] += time.perf_counter() - started
-            direct = _summarise("direct", conns, results["direct"], walls["direct"])
-            picked = _summarise("picker", conns, results["picker"], walls["picker"])
-            prompt_tokens_seen = next((o.completion_tokens for o in results["picker"] if o.ok), 0)
-            del prompt_tokens_seen
-            rows.append(
-                {
-                    "connections": conns,
-                    "direct": asdict(direct),
-                    "picker": asdict(picked),
-                    "added_p50_ms": picked.p50_ms - direct.p50_ms,
-                    "added_p99_ms": picked.p99_ms - direct.p99_ms,
-                    "p50_ratio": picked.p50_ms / direct.p50_ms,
-                    "p99_ratio": picked.p99_ms / direct.p99_ms,
-                    "throughput_ratio": picked.requests_per_s / direct.requests_per_s,
+        for name in processing_modes:
+            for conns in connections:
+                base = long_prompt_requests(requests, words_per_prompt, seed=conns)
+                batches = {
+                    "direct": [
+                        WorkloadRequest(
+                            r.path,
+                            r.body,
+                            headers={DESTINATION_HEADER: addresses[i % len(addresses)]},
+                        )
+                        for i, r in enumerate(base)
+                    ],
+                    "floor": base,
+                    "picker": base,
                 }
-            )
-            print(format_rows(rows[-1:]), flush=True)
+                # Warm every path (connections, caches of the processes) before measuring.
+                for path, batch in batches.items():
+                    asyncio.run(replay(urls[name][path], batch[: 4 * conns], conns))
+                results: dict[str, list[Outcome]] = {path: [] for path in batches}
+                walls = dict.fromkeys(batches, 0.0)
+                for _ in range(rounds):
+                    for path, batch in batches.items():
+                        started = time.perf_counter()
+                        results[path] += asyncio.run(replay(urls[name][path], batch, conns))
+                        walls[path] += time.perf_counter() - started
+                summary = {
+                    path: _summarise(path, conns, results[path], walls[path]) for path in batches
+                }
+                rows.append(_row(name, conns, summary))
+                print(format_rows(rows[-1:]), flush=True)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "overhead.json").write_text(json.dumps(rows, indent=2))
         return rows
 
 
+def _row(mode: str, connections: int, summary: dict[str, PathResult]) -> dict[str, object]:
+    direct, floor, picker = summary["direct"], summary["floor"], summary["picker"]
+    floor_added = floor.p50_ms - direct.p50_ms
+    picker_added = picker.p50_ms - direct.p50_ms
+    return {
+        "mode": mode,
+        "connections": connections,
+        "direct": asdict(direct),
+        "floor": asdict(floor),
+        "picker": asdict(picker),
+        "floor_added_p50_ms": floor_added,
+        "added_p50_ms": picker_added,
+        "added_p99_ms": picker.p99_ms - direct.p99_ms,
+        "added_p50_ratio_to_floor": picker_added / floor_added if floor_added > 0 else None,
+        "throughput_ratio_to_floor": picker.requests_per_s / floor.requests_per_s,
+        "throughput_ratio_to_direct": picker.requests_per_s / direct.requests_per_s,
+    }
+
+
 def format_rows(rows: Sequence[dict[str, object]]) -> str:
     lines = [
-        "| connections | direct p50 ms | picker p50 ms | added p50 ms | direct p99 ms | "
-        "picker p99 ms | added p99 ms | direct req/s | picker req/s | p50 ratio | p99 ratio "
-        "| req/s ratio | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | connections | direct p50 ms | floor p50 ms | picker p50 ms | floor added p50 ms "
+        "| picker added p50 ms | added p50 ÷ floor's | picker p99 ms | direct req/s "
+        "| floor req/s | picker req/s | req/s ÷ floor's | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        d, p = row["direct"], row["picker"]
-        assert isinstance(d, dict) and isinstance(p, dict)
+        d, f, p = row["direct"], row["floor"], row["picker"]
+        assert isinstance(d, dict) and isinstance(f, dict) and isinstance(p, dict)
+        ratio = row["added_p50_ratio_to_floor"]
+        errors = d["errors"] + f["errors"] + p["errors"]
         lines.append(
-            f"| {row['connections']} | {d['p50_ms']:.2f} | {p['p50_ms']:.2f} | "
-            f"{row['added_p50_ms']:.2f} | {d['p99_ms']:.2f} | {p['p99_ms']:.2f} | "
-            f"{row['added_p99_ms']:.2f} | {d['requests_per_s']:.0f} | {p['requests_per_s']:.0f} | "
-            f"{row['p50_ratio']:.2f} | {row['p99_ratio']:.2f} | {row['throughput_ratio']:.2f} | "
-            f"{d['errors'] + p['errors']} |"
+            f"| {row['mode']} | {row['connections']} | {d['p50_ms']:.2f} | {f['p50_ms']:.2f} | "
+            f"{p['p50_ms']:.2f} | {row['floor_added_p50_ms']:.2f} | {row['added_p50_ms']:.2f} | "
+            f"{'-' if ratio is None else format(ratio, '.2f')} | {p['p99_ms']:.2f} | "
+            f"{d['requests_per_s']:.0f} | {f['requests_per_s']:.0f} | {p['requests_per_s']:.0f} | "
+            f"{row['throughput_ratio_to_floor']:.2f} | {errors} |"
         )
     return "\n".join(lines)
 
@@ -186,7 +258,8 @@ def format_rows(rows: Sequence[dict[str, object]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kv-picker bench overhead",
-        description="Latency and throughput added by kv-picker: Envoy direct vs Envoy + picker.",
+        description="Latency and throughput added by kv-picker: Envoy direct, Envoy + a trivial "
+        "ext_proc service (the floor) and Envoy + kv-picker, in each processing mode.",
     )
     parser.add_argument("--endpoints", type=int, default=16, help="simulated endpoints (16)")
     parser.add_argument(
@@ -212,6 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="asyncio",
         help="the picker's event loop (kv-picker serve --event-loop; default asyncio)",
     )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma list of Envoy processing modes: streamed, buffered, gie (all)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
     try:
@@ -220,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--connections must be a comma list of integers")
     if not connections or min(connections) < 1 or args.requests < 1 or args.endpoints < 1:
         parser.error("--connections, --requests and --endpoints must be positive")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if not modes or unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     rows = run(
         args.endpoints,
         args.prompt_tokens,
@@ -229,14 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out,
         args.mode,
         args.event_loop,
+        modes,
     )
     print()
     print(format_rows(rows))
     return (
         0
         if all(
-            r["direct"]["errors"] == 0 and r["picker"]["errors"] == 0  # type: ignore[index]
+            r[path]["errors"] == 0  # type: ignore[index]
             for r in rows
+            for path in ("direct", "floor", "picker")
         )
         else 1
     )

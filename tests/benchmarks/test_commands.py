@@ -35,8 +35,10 @@ def test_demo_prints_the_table_and_leaves_no_process() -> None:
     assert processes_with_marker(marker) == []
 
 
-@pytest.mark.parametrize("mode", ["approximate", "precise"])
-def test_overhead_benchmark_smoke(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "processing"), [("approximate", "streamed,buffered,gie"), ("precise", "gie")]
+)
+def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) -> None:
     result = kv_picker(
         "--log-level",
         "warning",
@@ -54,15 +56,27 @@ def test_overhead_benchmark_smoke(tmp_path: Path, mode: str) -> None:
         "200",
         "--mode",
         mode,
+        "--modes",
+        processing,
         "--out",
         str(tmp_path),
-        timeout_s=120,
+        timeout_s=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads((tmp_path / "overhead.json").read_text())
-    assert [row["connections"] for row in rows] == [1, 2]
-    assert all(row["direct"]["errors"] == 0 and row["picker"]["errors"] == 0 for row in rows)
-    assert all(row["picker"]["p50_ms"] > 0 for row in rows)
+    modes = processing.split(",")
+    assert [(row["mode"], row["connections"]) for row in rows] == [
+        (m, c) for m in modes for c in (1, 2)
+    ]
+    # Every path served every request: the floor's echoed bodies reached the endpoints intact.
+    for row in rows:
+        for path in ("direct", "floor", "picker"):
+            assert row[path]["errors"] == 0 and row[path]["requests"] == 10
+            assert row[path]["p50_ms"] > 0
+        assert row["throughput_ratio_to_floor"] == pytest.approx(
+            row["picker"]["requests_per_s"] / row["floor"]["requests_per_s"]
+        )
+    assert "| added p50 ÷ floor's |" in result.stdout
 
 
 def test_pd_benchmark_smoke(tmp_path: Path) -> None:
