@@ -628,7 +628,7 @@ class KubernetesDiscovery:
     def _on_pools(self, message: Message) -> None:
         kind, payload = message
         if kind == "reset":
-            pool: PoolSpec | None = payload[0] if payload else None
+            pool: PoolSpec | _InvalidPool | None = payload[0] if payload else None
             if pool is None:
                 log.warning("%s not found: no endpoints until it exists", self.description)
         elif kind == "DELETED":
@@ -636,6 +636,12 @@ class KubernetesDiscovery:
             pool = None
         else:
             pool = payload
+        if isinstance(pool, _InvalidPool):
+            # A bad edit should not empty a serving pool: keep what was valid.
+            log.error("%s: %s; keeping the last valid spec", self.description, pool.problem)
+            if self.pool is None:
+                self._mark_synced()
+            return
         self._set_pool(pool)
 
     def _set_pool(self, pool: PoolSpec | None) -> None:
@@ -709,5 +715,15 @@ class KubernetesDiscovery:
             )
 
 
-def _parse_pool(obj: Mapping[str, Any]) -> PoolSpec:
-    return PoolSpec.from_object(obj)
+@dataclass(frozen=True, slots=True)
+class _InvalidPool:
+    """An InferencePool whose spec cannot be used (the last valid one stays in force)."""
+
+    problem: str
+
+
+def _parse_pool(obj: Mapping[str, Any]) -> PoolSpec | _InvalidPool:
+    try:
+        return PoolSpec.from_object(obj)
+    except ValueError as exc:
+        return _InvalidPool(str(exc))

@@ -350,6 +350,22 @@ async def test_pool_selector_and_ports_change_at_runtime(kube: FakeKubeApi, tmp_
         await wait_for(lambda: addresses(store) == {"127.0.0.11:8000"}, "the pool again")
 
 
+async def test_an_invalid_pool_edit_keeps_the_last_valid_spec(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
+    kube.apply_pool("pool", APP, [8000])
+    kube.add_pod("a", "127.0.0.11", APP)
+    store = EndpointStore(time.monotonic)
+    async with discovering(kube, tmp_path, store) as discovery:
+        await wait_for(lambda: addresses(store) == {"127.0.0.11:8000"}, "a")
+        kube.apply_pool("pool", APP, [])  # no target ports: not a usable pool
+        kube.apply_pool("pool", APP, [8000, 8001])
+        await wait_for(lambda: len(store) == 2, "the next valid spec")
+        kube.apply_pool("pool", APP, [])
+        await asyncio.sleep(0.2)
+        assert discovery.pool == PoolSpec(APP, (8000, 8001)) and len(store) == 2
+
+
 async def test_a_missing_pool_means_no_endpoints_until_it_exists(
     kube: FakeKubeApi, tmp_path: Path
 ) -> None:
