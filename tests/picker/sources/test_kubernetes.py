@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -84,7 +85,7 @@ async def discovering(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not any(t.name.startswith("k8s-") for t in __import__("threading").enumerate())
+        assert not any(t.name.startswith("k8s-") for t in threading.enumerate())
 
 
 async def watching(kube: FakeKubeApi, resource: str = PODS) -> None:
