@@ -299,6 +299,9 @@ class LocalStack:
             ``picker_config`` has its own).
         kv_events_encoding: ``array`` or ``map`` event encoding of the endpoints.
         tokenizer: model directory the endpoints tokenize with (``--tokenizer``).
+        discovery: the picker's ``discovery`` section (e.g. Kubernetes discovery against
+            :class:`~kv_picker_bench.sim.kube_api.FakeKubeApi`); its config then lists no
+            ``endpoints``, and whoever drives the stack tells the API about the endpoints.
     """
 
     def __init__(
@@ -316,7 +319,9 @@ class LocalStack:
         kv_events: bool = False,
         kv_events_encoding: str = "array",
         tokenizer: str | Path | None = None,
+        discovery: dict[str, Any] | None = None,
     ) -> None:
+        self.discovery = discovery
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
         self.picker_config = dict(picker_config or {})
         self.body_mode = body_mode
@@ -366,37 +371,58 @@ class LocalStack:
             self.start_envoy_proxy()
 
     def start_sims(self) -> None:
-        for i, spec in enumerate(self.sim_specs):
-            port = free_port()
-            address = f"127.0.0.1:{port}"
-            argv = [
-                sys.executable,
-                "-m",
-                "kv_picker_bench.sim",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--model",
-                self.model,
-                "--role",
-                spec.role,
-                "--hardware-class",
-                spec.hardware_class,
-                "--time-scale",
-                str(self.time_scale),
-                "--seed",
-                str(i),
-                *self._kv_event_args(address),
-                *self.sim_args,
-                *spec.extra_args,
-            ]
-            proc = ManagedProcess(f"sim-{i}", argv, self.workdir / f"sim-{i}.log")
-            self.processes.append(proc)
-            self.sim_addresses.append(address)
-        for proc, address in zip(self.processes, self.sim_addresses, strict=True):
+        procs = [self._launch_sim(i, spec) for i, spec in enumerate(self.sim_specs)]
+        for proc, address in zip(procs, self.sim_addresses, strict=True):
             health_url = f"http://{address}/health"
             proc.wait_until(lambda url=health_url: http_get(url)[0] == 200, 30.0, "health")  # type: ignore[misc]
+
+    def _launch_sim(self, i: int, spec: SimSpec) -> ManagedProcess:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        argv = [
+            sys.executable,
+            "-m",
+            "kv_picker_bench.sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            self.model,
+            "--role",
+            spec.role,
+            "--hardware-class",
+            spec.hardware_class,
+            "--time-scale",
+            str(self.time_scale),
+            "--seed",
+            str(i),
+            *self._kv_event_args(address),
+            *self.sim_args,
+            *spec.extra_args,
+        ]
+        proc = ManagedProcess(f"sim-{i}", argv, self.workdir / f"sim-{i}.log")
+        self.processes.append(proc)
+        self.sim_addresses.append(address)
+        return proc
+
+    def add_sim(self, spec: SimSpec | None = None) -> int:
+        """Start one more endpoint (after the stack started); returns its index once healthy.
+
+        The picker's config does not change: with ``discovery``, tell the API about it.
+        """
+        spec = spec or SimSpec()
+        index = len(self.sim_specs)
+        self.sim_specs.append(spec)
+        proc = self._launch_sim(index, spec)
+        health_url = f"http://{self.sim_addresses[index]}/health"
+        proc.wait_until(lambda: http_get(health_url)[0] == 200, 30.0, "health")
+        return index
+
+    def stop_sim(self, index: int) -> None:
+        """Stop one endpoint (SIGTERM): requests it is serving are cut."""
+        proc = next(p for p in self.processes if p.name == f"sim-{index}")
+        proc.stop()
 
     def _kv_event_args(self, address: str) -> list[str]:
         args = ["--tokenizer", self.tokenizer] if self.tokenizer else []
@@ -436,12 +462,15 @@ class LocalStack:
             "metricsPort": self.picker_metrics_port,
             **config.get("server", {}),
         }
-        endpoints = []
-        for spec, address in zip(self.sim_specs, self.sim_addresses, strict=True):
-            labels = {"llm-d.ai/role": spec.role, **spec.labels}
-            endpoints.append({"address": address, "labels": labels})
-        endpoints += [{"address": address} for address in self.extra_endpoints]
-        config["endpoints"] = endpoints
+        if self.discovery is not None:
+            config["discovery"] = self.discovery
+        else:
+            endpoints = []
+            for spec, address in zip(self.sim_specs, self.sim_addresses, strict=True):
+                labels = {"llm-d.ai/role": spec.role, **spec.labels}
+                endpoints.append({"address": address, "labels": labels})
+            endpoints += [{"address": address} for address in self.extra_endpoints]
+            config["endpoints"] = endpoints
         if self.kv_events and "kvEvents" not in config:
             config["kvEvents"] = {
                 "mode": "connect",

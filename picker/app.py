@@ -4,12 +4,17 @@
 PickerApp.start()
   ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
+  ├── KubernetesDiscovery task (with discovery.kubernetes): pool + pods -> EndpointStore
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
+
+Endpoints come from the config's static ``endpoints`` list or from Kubernetes discovery, never
+both. A reload applies a new static list; with discovery it keeps the discovered endpoints
+(the watch owns them), and a change of ``discovery`` itself takes effect on restart.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kv_picker.admin import add_admin_service
 from kv_picker.config import PickerConfig, hardware_table, load_config
 from kv_picker.director import Director
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
 from kv_picker.handlers.extproc import ExternalProcessor
 from kv_picker.metrics import PickerMetrics
@@ -40,6 +46,7 @@ from kv_picker.request_log import RequestLog
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
+from kv_picker.sources.kubernetes import KubernetesDiscovery
 from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
@@ -71,7 +78,15 @@ class PickerApp:
         self.reload_interval_s = reload_interval_s
         self.metrics = PickerMetrics()
         self.store = EndpointStore(clock)
+        # An endpoint that leaves takes its per-endpoint series along (a churning pool must not
+        # grow the exposition).
+        self.store.on_change(self._endpoints_changed)
         self.store.set_endpoints(config.endpoints)
+        self.discovery = (
+            KubernetesDiscovery(config.discovery.kubernetes, self.store, self.metrics)
+            if config.discovery is not None
+            else None
+        )
         seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "big")
         # The precise KV index outlives config reloads; its settings take effect on restart.
         self.kv_index = build_kv_index(config, self.store, self.metrics)
@@ -116,7 +131,14 @@ class PickerApp:
         return self.director.config
 
     async def start(self) -> None:
+        """Start serving.
+
+        Raises:
+            ConfigError: discovery found no usable Kubernetes credentials.
+        """
         config = self.config
+        if self.discovery is not None:  # fail before serving anything
+            await self.discovery.connect()
         if self.request_log is not None:  # before the first stream can be routed
             self.request_log.start()
         # A buffered body arrives in one message; accept up to twice the body limit (the buffer
@@ -157,6 +179,8 @@ class PickerApp:
         bound = [address for address in runner.addresses if isinstance(address, tuple)]
         self.metrics_port = int(bound[0][1]) if bound else config.server.metrics_port
 
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="metrics-scraper"))
         if self.kv_index is not None:
             self._tasks.append(asyncio.create_task(self.kv_index.run(), name="kv-index"))
@@ -247,13 +271,26 @@ class PickerApp:
             self.scraper.timeout_s = config.metrics.timeout_s
             self.scraper.path = config.metrics.path
             self.ctx.metrics_staleness_s = config.metrics.staleness_s
-        self.store.set_endpoints(config.endpoints)
+        if config.discovery != self.config.discovery:
+            log.warning(
+                "discovery settings changed in %s: they take effect on restart; the running "
+                "endpoints stay",
+                self.config_path,
+            )
+        elif self.discovery is None:
+            self.store.set_endpoints(config.endpoints)
         self.director.swap(config, scheduler)
         # What the old config kept across reloads and the new one does not use goes now.
         self.ctx.shared.release_unused(scheduler.shared_keys)
         self.metrics.config_reloads.labels("applied").inc()
         log.info("config reloaded from %s", self.config_path)
         return True
+
+    def _endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        readded = {endpoint.address for endpoint in added}
+        for endpoint in removed:
+            if endpoint.address not in readded:
+                self.metrics.forget_endpoint(endpoint.address)
 
     # -- HTTP -------------------------------------------------------------------------------
 

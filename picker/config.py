@@ -12,6 +12,9 @@ server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608
 endpoints:                               # static discovery
 - address: 10.0.0.7:8000
   labels: {llm-d.ai/role: both}
+discovery:                               # or Kubernetes discovery (not with endpoints)
+  kubernetes: {namespace: llm, inferencePool: vllm-pool}
+  # or {namespace: llm, selector: {app: vllm}, targetPorts: [8000]}; kubeconfig: PATH
 models:                                  # optional: when set, other models get 404
 - name: meta-llama/Llama-3.1-8B-Instruct
   loraAdapters: [sql-lora]
@@ -309,6 +312,66 @@ class RequestLogConfig:
     block_tokens: Annotated[int, Range(ge=1)] = 512
 
 
+MAX_TARGET_PORTS = 8  # the InferencePool CRD's bound on spec.targetPorts
+
+
+@dataclass(frozen=True)
+class KubernetesDiscoveryConfig:
+    """``discovery.kubernetes``: endpoints from the Kubernetes API
+    (:mod:`kv_picker.sources.kubernetes`).
+
+    Either ``inferencePool`` (an ``inference.networking.k8s.io/v1`` InferencePool in
+    ``namespace``, whose selector and target ports are followed as they change) or a
+    ``selector`` (matchLabels) with ``targetPorts`` (1 to 8 ports, as the InferencePool allows).
+    Credentials: ``kubeconfig`` when given, else the pod's service account, else the default
+    kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``). ``watchTimeout`` is how long one watch
+    request may last before it is renewed from its resourceVersion; a stream that breaks is
+    watched again after a backoff doubling from ``backoffInitial`` up to ``backoffMax``;
+    ``timeout`` bounds list requests.
+    """
+
+    namespace: Annotated[str, NonEmpty]
+    inference_pool: Annotated[str, NonEmpty] | None = None
+    selector: Mapping[str, str] | None = None
+    target_ports: tuple[Annotated[int, Range(ge=1, le=65535)], ...] = ()
+    kubeconfig: Annotated[str, NonEmpty] | None = None
+    watch_timeout_s: Annotated[Duration, Range(ge=1)] = field(
+        default=300.0, metadata=key("watchTimeout")
+    )
+    backoff_initial_s: Annotated[Duration, Positive] = field(
+        default=0.2, metadata=key("backoffInitial")
+    )
+    backoff_max_s: Annotated[Duration, Positive] = field(default=30.0, metadata=key("backoffMax"))
+    timeout_s: Annotated[Duration, Positive] = field(default=10.0, metadata=key("timeout"))
+
+    def validate(self) -> None:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise FieldError("backoffMax", "must be >= backoffInitial")
+        if (self.inference_pool is None) == (self.selector is None):
+            raise FieldError(
+                "inferencePool", "give either inferencePool or selector (with targetPorts)"
+            )
+        if self.inference_pool is not None:
+            if self.target_ports:
+                raise FieldError(
+                    "targetPorts", "comes from the InferencePool; give it only with selector"
+                )
+            return
+        if not self.selector:
+            raise FieldError("selector", "must name at least one label (it would select every pod)")
+        if not 1 <= len(self.target_ports) <= MAX_TARGET_PORTS:
+            raise FieldError("targetPorts", f"give 1 to {MAX_TARGET_PORTS} ports with selector")
+        if len(set(self.target_ports)) != len(self.target_ports):
+            raise FieldError("targetPorts", "a port is listed twice")
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """``discovery``: where endpoints come from when they are not listed in ``endpoints``."""
+
+    kubernetes: KubernetesDiscoveryConfig
+
+
 @dataclass(frozen=True)
 class PickerConfig:
     """Validated configuration; every field has passed its checks."""
@@ -316,6 +379,7 @@ class PickerConfig:
     source: str = "<built-in default>"
     server: ServerConfig = field(default_factory=ServerConfig)
     endpoints: tuple[EndpointSpec, ...] = ()
+    discovery: DiscoveryConfig | None = None
     models: tuple[ModelConfig, ...] = ()
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     seed: int | None = None
@@ -412,6 +476,7 @@ class _Document:
     kind: Annotated[str, Check(_kind, f"expected {KIND}")] | None = None
     server: ServerConfig = field(default_factory=ServerConfig)
     endpoints: tuple[_EndpointEntry, ...] = ()
+    discovery: DiscoveryConfig | None = None
     models: tuple[ModelConfig | Annotated[str, NonEmpty], ...] = ()
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     seed: int | None = None
@@ -486,10 +551,16 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
     plugins = _plugins(raw_plugins, registry)
     profiles, handler = _profiles(raw_profiles, plugins, registry)
     models = tuple(m if isinstance(m, ModelConfig) else ModelConfig(m) for m in doc.models)
+    if doc.discovery is not None and doc.endpoints:
+        raise ConfigError(
+            "endpoints: static endpoints and discovery.kubernetes cannot be used together "
+            "(discovery owns the endpoint set); remove one of them"
+        )
     return PickerConfig(
         source=source,
         server=doc.server,
         endpoints=_endpoints(doc.endpoints),
+        discovery=doc.discovery,
         models=models,
         metrics=doc.metrics,
         seed=doc.seed,

@@ -18,10 +18,17 @@ ROLE_LABEL = "llm-d.ai/role"
 
 @dataclass(slots=True, frozen=True)
 class EndpointSpec:
-    """A configured endpoint: where it is and what it is (labels)."""
+    """A configured or discovered endpoint: where it is and what it is (labels).
+
+    ``instance`` names the server behind the address when discovery knows it (a Kubernetes
+    pod's uid). A different instance at the same address is a new server, whose cache and
+    counters owe nothing to the old one's: the store replaces the endpoint rather than keeping
+    it. Static endpoints leave it empty.
+    """
 
     address: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    instance: str = ""
 
 
 @dataclass(slots=True)
@@ -34,6 +41,7 @@ class Endpoint:
         host: the IP part, used for subset-hint matching.
         port: the port.
         labels: static labels (role, hardware class, ...).
+        instance: the server behind the address, when known (see :class:`EndpointSpec`).
     """
 
     id: EndpointId
@@ -41,6 +49,7 @@ class Endpoint:
     host: str
     port: int
     labels: Mapping[str, str]
+    instance: str = ""
 
 
 def split_address(address: str) -> tuple[str, int]:

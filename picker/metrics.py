@@ -52,6 +52,7 @@ MAX_MODEL_LABELS = 100
 OTHER_MODEL = "other"
 PLUGIN_LABELS = ("profile", "plugin", "type")
 ENDPOINT_LABELS = ("endpoint",)
+DISCOVERY_LABELS = ("resource", "reason")
 
 
 class PickerMetrics:
@@ -219,6 +220,35 @@ class PickerMetrics:
             ("operation",),
             registry=r,
         )
+
+        # Kubernetes discovery (kv_picker.sources.kubernetes).
+        self.discovery_events = Counter(
+            "kv_picker_discovery_events",
+            "Watch events received from the Kubernetes API, by resource and event type.",
+            ("resource", "type"),
+            registry=r,
+        )
+        self.discovery_restarts = Counter(
+            "kv_picker_discovery_watch_restarts",
+            "Watches of the Kubernetes API started again, by resource and reason (gone: "
+            "relisted after 410; dropped: stream broke; error: API error; ended: server "
+            "closed the stream; changed: the pool's selector changed).",
+            DISCOVERY_LABELS,
+            registry=r,
+        )
+
+    def forget_endpoint(self, address: str) -> None:
+        """Drop an endpoint's series once it left the pool, so that a pool that churns does
+        not grow the exposition (and dashboards do not show endpoints that are gone)."""
+        for metric in (
+            self.endpoint_waiting,
+            self.endpoint_running,
+            self.endpoint_kv_usage,
+            self.endpoint_in_flight,
+            self.scrape_errors,
+        ):
+            metric.remove(address)
+        self.picks.remove_by_labels({"endpoint": address})
 
     def collect_plugin_gauges(self, source: PluginGaugeSource) -> None:
         """Export the gauges plugins report (:class:`~kv_picker.scheduling.framework.

@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from kv_picker.endpoint import split_address
+from kv_picker.endpoint import Endpoint, split_address
 from kv_picker.metrics import PickerMetrics
 from kv_picker.sources.kv_event_decoder import (
     END_SEQ,
@@ -81,7 +81,8 @@ class SubscriberSettings:
         model: model of events whose topic does not name one.
         replay_timeout_s: how long one replay may take.
         catch_up: replay the publisher's buffer on the first message from it.
-        reconcile_interval_s: how often connect mode follows the endpoint set.
+        reconcile_interval_s: how often connect mode checks the endpoint set when the store
+            reported no change (changes are followed at once).
     """
 
     mode: str = "connect"
@@ -136,6 +137,10 @@ class KVEventSubscriber:
         self._explicit = dict(settings.endpoints)
         self._sources: dict[str, _Source] = {}
         self._receivers: dict[str, asyncio.Task[None]] = {}
+        # The endpoint each receiver was started for: a new endpoint at the same address (a
+        # pod re-created with a reused IP) is a new publisher with a sequence of its own.
+        self._receiving_for: dict[str, Endpoint] = {}
+        self._changed = asyncio.Event()
         self._context: zmq.asyncio.Context | None = None
         self.messages = 0
         self.bound_address = ""
@@ -170,11 +175,23 @@ class KVEventSubscriber:
             if self.settings.mode == "bind":
                 await self._run_bound()
             else:
-                while True:
-                    self._reconcile()
-                    await asyncio.sleep(self.settings.reconcile_interval_s)
+                # Follow the endpoint set as it changes (discovery adds and removes endpoints
+                # at any time), with a slow poll as a safety net.
+                subscription = self.store.on_change(self._endpoints_changed)
+                try:
+                    while True:
+                        self._changed.clear()
+                        self._reconcile()
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.settings.reconcile_interval_s):
+                                await self._changed.wait()
+                finally:
+                    subscription.cancel()
         finally:
             await self._shutdown()
+
+    def _endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+        self._changed.set()
 
     async def _shutdown(self) -> None:
         tasks = list(self._receivers.values())
@@ -185,6 +202,7 @@ class KVEventSubscriber:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._receivers.clear()
+        self._receiving_for.clear()
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -200,21 +218,29 @@ class KVEventSubscriber:
         return sock
 
     def _reconcile(self) -> None:
-        wanted = {endpoint.address for endpoint in self.store.all()}
+        """One receiver per endpoint in the store: start the missing, stop those whose
+        endpoint left or was replaced by a new instance."""
+        wanted = {endpoint.address: endpoint for endpoint in self.store.all()}
         for address in list(self._receivers):
-            if address not in wanted:
+            if wanted.get(address) is not self._receiving_for.get(address):
                 self._receivers.pop(address).cancel()
+                self._receiving_for.pop(address, None)
                 source = self._sources.pop(address, None)
                 if source is not None and source.replaying is not None:
                     source.replaying.cancel()
-        for address in wanted:
+        for address, endpoint in wanted.items():
             if address not in self._receivers:
                 where = self.addresses_of(address)
                 self._sources[address] = _Source(address, where.replay)
+                self._receiving_for[address] = endpoint
                 self._receivers[address] = asyncio.create_task(
                     self._receive_connected(address, where.publisher),
                     name=f"kv-events-{address}",
                 )
+
+    def receiving(self) -> dict[str, str]:
+        """Per endpoint address, the publisher its receiver is connected to (connect mode)."""
+        return {address: self.addresses_of(address).publisher for address in self._receivers}
 
     async def _receive_connected(self, address: str, publisher: str) -> None:
         sock = self._socket(zmq.SUB)

@@ -5,7 +5,9 @@ interval rather than fired together: a round of N scrapes at once would hold the
 N parses in a row and show up as a latency spike on the requests in flight. A scrape still
 running when its endpoint's next turn comes is not doubled up. A failed scrape (refused, timed
 out, non-200, unparsable) marks the endpoint not ready until a scrape succeeds again. Scrapes
-older than the staleness bound make scorers treat the endpoint as fully loaded.
+older than the staleness bound make scorers treat the endpoint as fully loaded. An endpoint that
+joins the store (discovery) is scraped at once rather than at its turn, so that it takes traffic
+as soon as it answers.
 
 Only the families the picker reads are parsed: lines are pre-selected by name and the
 selection goes through ``prometheus_client``'s text parser, so a large vLLM exposition (many
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -146,9 +149,17 @@ class MetricsScraper:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         in_flight: dict[int, asyncio.Task[None]] = {}
+
+        def scrape_added(added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
+            for endpoint in added:
+                previous = in_flight.get(endpoint.id)
+                if previous is None or previous.done():
+                    in_flight[endpoint.id] = asyncio.create_task(self._scrape(endpoint))
+
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self._session = session
             loop = asyncio.get_running_loop()
+            subscription = self.store.on_change(scrape_added)
             try:
                 while True:
                     endpoints = self.store.all()
@@ -164,6 +175,7 @@ class MetricsScraper:
                         await asyncio.sleep(max(0.0, slot_s - (loop.time() - started)))
                     self._round_done(len(endpoints))
             finally:
+                subscription.cancel()
                 for task in in_flight.values():
                     task.cancel()
                 await asyncio.gather(*in_flight.values(), return_exceptions=True)
@@ -202,11 +214,11 @@ class MetricsScraper:
                 text = await response.text()
             signals = parse_vllm_metrics(text)
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
-            if self.store.get(endpoint.id) is endpoint:
+            if self.store.get(endpoint.id) is endpoint:  # else it left: no series for it
                 if self.store.ready[endpoint.id]:
                     log.warning("endpoint %s not ready: %s", endpoint.address, exc or type(exc))
                 self.store.set_ready(endpoint.id, False)
-            self.metrics.scrape_errors.labels(endpoint.address).inc()
+                self.metrics.scrape_errors.labels(endpoint.address).inc()
             return
         if self.store.get(endpoint.id) is not endpoint:
             return  # removed while we were scraping

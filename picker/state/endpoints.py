@@ -26,8 +26,9 @@ ready:     True       True       False      last scrape succeeded
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kv_picker.endpoint import Endpoint, EndpointId, EndpointSpec, split_address
 
@@ -46,10 +47,8 @@ class Subscription:
 
     __slots__ = ("_callback", "_callbacks")
 
-    def __init__(
-        self, callbacks: list[Callable[[EndpointId], None]], callback: Callable[[EndpointId], None]
-    ) -> None:
-        self._callbacks: list[Callable[[EndpointId], None]] | None = callbacks
+    def __init__(self, callbacks: list[Any], callback: object) -> None:
+        self._callbacks: list[Any] | None = callbacks
         self._callback = callback
 
     def cancel(self) -> None:
@@ -59,6 +58,10 @@ class Subscription:
                 if registered is self._callback:
                     del callbacks[i]
                     break
+
+
+MembershipCallback = Callable[[Sequence[Endpoint], Sequence[Endpoint]], None]
+"""``callback(added, removed)``: endpoints that joined and left the store in one change."""
 
 
 class EndpointStore:
@@ -87,6 +90,7 @@ class EndpointStore:
         self.lora: list[LoraState | None] = []
         self._free_ids: list[EndpointId] = []
         self._on_removed: list[Callable[[EndpointId], None]] = []
+        self._on_change: list[MembershipCallback] = []
         # The ready list is rebuilt only when readiness or membership changes.
         self._ready_cache: list[Endpoint] | None = None
 
@@ -99,6 +103,20 @@ class EndpointStore:
         self._on_removed.append(callback)
         return Subscription(self._on_removed, callback)
 
+    def on_change(self, callback: MembershipCallback) -> Subscription:
+        """Register a callback run after each :meth:`set_endpoints` that added or removed
+        endpoints, once per call, with the endpoints that joined and those that left.
+
+        It runs after every :meth:`on_removed` callback, when the store already holds the new
+        set: subscribers that follow the set (KV-event sockets, per-endpoint metric series)
+        act on the change at once rather than at their next poll.
+
+        Returns:
+            A handle whose ``cancel()`` unregisters the callback (idempotent).
+        """
+        self._on_change.append(callback)
+        return Subscription(self._on_change, callback)
+
     def num_subscribers(self) -> int:
         """Callbacks registered with :meth:`on_removed` (a reload must not grow this)."""
         return len(self._on_removed)
@@ -107,18 +125,32 @@ class EndpointStore:
         return self._clock()
 
     def set_endpoints(self, specs: Iterable[EndpointSpec]) -> None:
-        """Make the store hold exactly these endpoints, keeping ids of those that stay."""
+        """Make the store hold exactly these endpoints, keeping ids of those that stay.
+
+        An endpoint stays when its address and instance are unchanged (its labels are
+        updated); a new instance at a known address replaces the endpoint (see
+        :class:`~kv_picker.endpoint.EndpointSpec`). Requests already routed to a removed
+        endpoint keep their :class:`~kv_picker.endpoint.Endpoint` and finish; only new picks
+        no longer see it.
+        """
         wanted = {spec.address: spec for spec in specs}
-        for address in list(self.by_address):
-            if address not in wanted:
-                self._remove(self.by_address[address])
+        removed: list[Endpoint] = []
+        for address, endpoint in list(self.by_address.items()):
+            spec = wanted.get(address)
+            if spec is None or spec.instance != endpoint.instance:
+                self._remove(endpoint)
+                removed.append(endpoint)
+        added: list[Endpoint] = []
         for address, spec in wanted.items():
             existing = self.by_address.get(address)
             if existing is not None:
                 existing.labels = dict(spec.labels)
                 continue
-            self._add(spec)
+            added.append(self._add(spec))
         self._ready_cache = None
+        if added or removed:
+            for callback in list(self._on_change):
+                callback(added, removed)
 
     def _add(self, spec: EndpointSpec) -> Endpoint:
         host, port = split_address(spec.address)
@@ -138,7 +170,7 @@ class EndpointStore:
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
             self.lora.append(None)
-        endpoint = Endpoint(endpoint_id, spec.address, host, port, dict(spec.labels))
+        endpoint = Endpoint(endpoint_id, spec.address, host, port, dict(spec.labels), spec.instance)
         self.endpoints[endpoint_id] = endpoint
         self.by_address[spec.address] = endpoint
         self.waiting[endpoint_id] = 0.0
