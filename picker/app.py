@@ -5,7 +5,8 @@ PickerApp.start()
   ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── KubernetesDiscovery task (with discovery.kubernetes): pool + pods -> EndpointStore
-  ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
+  ├── MetricsScraper task: endpoints' /metrics -> EndpointStore (fetched and parsed in a
+  │     child process by default: sources/scrape_process.py)
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
@@ -48,6 +49,7 @@ from kv_picker.scheduling.registry import Registry
 from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.sources.kubernetes import KubernetesDiscovery
 from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
+from kv_picker.sources.scrape_process import ProcessScraper
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.wire import HEALTH_SERVICES
@@ -111,7 +113,8 @@ class PickerApp:
             config, self.store, scheduler, self.ctx.rng, self.metrics, self.request_log
         )
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
-        self.scraper = MetricsScraper(
+        scraper_class = ProcessScraper if config.metrics.scraper == "process" else MetricsScraper
+        self.scraper = scraper_class(
             self.store,
             self.metrics,
             config.metrics.scrape_interval_s,
@@ -271,6 +274,10 @@ class PickerApp:
             self.scraper.timeout_s = config.metrics.timeout_s
             self.scraper.path = config.metrics.path
             self.ctx.metrics_staleness_s = config.metrics.staleness_s
+            if config.metrics.scraper != self.config.metrics.scraper:
+                log.warning(
+                    "metrics.scraper changed in %s: it takes effect on restart", self.config_path
+                )
         if config.discovery != self.config.discovery:
             log.warning(
                 "discovery settings changed in %s: they take effect on restart; the running "

@@ -18,7 +18,9 @@ discovery:                               # or Kubernetes discovery (not with end
 models:                                  # optional: when set, other models get 404
 - name: meta-llama/Llama-3.1-8B-Instruct
   loraAdapters: [sql-lora]
-metrics: {scrapeInterval: 100ms, stalenessThreshold: 2s, timeout: 1s, path: /metrics}
+metrics: {scrapeInterval: 100ms, stalenessThreshold: 2s, timeout: 1s, path: /metrics,
+          scraper: process}                # process: fetch and parse in a child process;
+                                           #   inline: on the picker's event loop
 kvEvents:                                # vLLM KV events, for precise-prefix-cache-scorer
   mode: connect                          # connect: one SUB socket per endpoint; bind: one SUB
   publisherPort: 5557                    #   socket the publishers connect to (kvEvents.bind)
@@ -171,6 +173,7 @@ class MetricsConfig:
     )
     timeout_s: Annotated[Duration, Positive] = field(default=1.0, metadata=key("timeout"))
     path: Annotated[str, Check(_absolute_path, "must start with '/'")] = "/metrics"
+    scraper: Literal["process", "inline"] = "process"
 
 
 @dataclass(frozen=True)

@@ -206,20 +206,23 @@ class MetricsScraper:
         session = self._session
         if session is None:
             raise RuntimeError("scraper is not running")
-        url = f"http://{endpoint.address}{self.path}"
         try:
-            async with session.get(url) as response:
-                if response.status != 200:
-                    raise MetricsParseError(f"HTTP {response.status}")
-                text = await response.text()
-            signals = parse_vllm_metrics(text)
+            signals = await fetch_signals(session, endpoint.address, self.path)
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
-            if self.store.get(endpoint.id) is endpoint:  # else it left: no series for it
-                if self.store.ready[endpoint.id]:
-                    log.warning("endpoint %s not ready: %s", endpoint.address, exc or type(exc))
-                self.store.set_ready(endpoint.id, False)
-                self.metrics.scrape_errors.labels(endpoint.address).inc()
+            self.failed(endpoint, str(exc) or type(exc).__name__)
             return
+        self.scraped(endpoint, signals)
+
+    def failed(self, endpoint: Endpoint, reason: str) -> None:
+        """A scrape of ``endpoint`` failed: not ready until one succeeds."""
+        if self.store.get(endpoint.id) is endpoint:  # else it left: no series for it
+            if self.store.ready[endpoint.id]:
+                log.warning("endpoint %s not ready: %s", endpoint.address, reason)
+            self.store.set_ready(endpoint.id, False)
+            self.metrics.scrape_errors.labels(endpoint.address).inc()
+
+    def scraped(self, endpoint: Endpoint, signals: EndpointSignals) -> None:
+        """A good scrape of ``endpoint``: its signals into the store and the gauges."""
         if self.store.get(endpoint.id) is not endpoint:
             return  # removed while we were scraping
         if not self.store.ready[endpoint.id]:
@@ -238,3 +241,18 @@ class MetricsScraper:
         self.metrics.endpoint_running.labels(address).set(signals.running)
         self.metrics.endpoint_kv_usage.labels(address).set(signals.kv_usage)
         self.metrics.endpoint_in_flight.labels(address).set(self.store.in_flight[endpoint.id])
+
+
+async def fetch_signals(session: aiohttp.ClientSession, address: str, path: str) -> EndpointSignals:
+    """GET ``http://<address><path>`` and parse it.
+
+    Raises:
+        aiohttp.ClientError, TimeoutError: the request failed.
+        MetricsParseError: not a 200, or not a vLLM exposition.
+        UnicodeDecodeError: the body is not text.
+    """
+    async with session.get(f"http://{address}{path}") as response:
+        if response.status != 200:
+            raise MetricsParseError(f"HTTP {response.status}")
+        text = await response.text()
+    return parse_vllm_metrics(text)
