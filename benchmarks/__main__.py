@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "overhead": "kv_picker_bench.overhead",
+    "overload": "kv_picker_bench.overload",
     "pd": "kv_picker_bench.pd_bench",
     "kv-index": "kv_picker_bench.kv_index_bench",
     "precise-vs-approx": "kv_picker_bench.precise_vs_approx",
@@ -24,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
         print("usage: kv-picker bench {" + ",".join(COMMANDS) + "} [--help]")
         print("  overhead   latency/throughput added by kv-picker vs Envoy routing directly")
+        print("  overload   offered vs served vs latency past one picker's capacity (shedding)")
         print("  pd         P/D vs aggregated (hardware-aware, -blind) on a heterogeneous pool")
         print("  kv-index   precise KV index: event ingestion, lookup latency, memory, Redis")
         print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")

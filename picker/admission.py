@@ -18,6 +18,12 @@ with an endpoint whose metrics are older than ``metricsStalenessThreshold`` coun
 (unknown load is treated as full, so a fleet-wide scrape failure sheds rather than piles on).
 A sheddable request is refused with 429 when saturation >= 1; requests with priority >= 0 are
 always admitted.
+
+The picker's own backlog: ``maxPendingRequests`` (512; 0 = no bound) requests may wait between
+their headers and their pick (bodies arriving, parsing, scheduling). A request that arrives when
+that many wait gets 503 ``overloaded`` at once, before its body is read: past what one process
+can schedule, answering fast keeps the latency of the admitted requests bounded instead of
+letting every request queue behind all the others.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class AdmissionConfig:
     priority_header: Annotated[str, Check(_header_name, "must be a lower-case header name")] = (
         "x-kv-picker-priority"
     )
+    max_pending_requests: Annotated[int, Range(ge=0)] = 512
     objectives: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
     model_priorities: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
 

@@ -113,6 +113,7 @@ class PickerApp:
             config, self.store, scheduler, self.ctx.rng, self.metrics, self.request_log
         )
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
+        self.metrics.pending.set_function(lambda: self.director.pending)
         scraper_class = ProcessScraper if config.metrics.scraper == "process" else MetricsScraper
         self.scraper = scraper_class(
             self.store,

@@ -149,6 +149,8 @@ class Director:
         self.metrics = metrics
         self.request_log = request_log
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
+        # Streams whose headers arrived and that are not routed yet (see admission.py).
+        self.pending = 0
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already routed keep their picks."""

@@ -79,5 +79,11 @@ class NoEndpointsError(CapacityError):
     pass
 
 
+class OverloadedError(CapacityError):
+    """The picker itself is behind: too many requests wait to be scheduled."""
+
+    reason = "overloaded"
+
+
 class InternalError(PickerError):
     pass

@@ -119,6 +119,12 @@ class PickerMetrics:
         self.running = Gauge(
             "kv_picker_requests_running", "Requests routed and not yet finished.", registry=r
         )
+        self.pending = Gauge(
+            "kv_picker_requests_pending",
+            "Requests whose headers arrived and that are not routed yet (bounded by "
+            "admission.maxPendingRequests).",
+            registry=r,
+        )
         self.endpoints = Gauge(
             "kv_picker_endpoints", "Endpoints by state (ready, not_ready).", ("state",), registry=r
         )

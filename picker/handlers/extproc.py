@@ -43,7 +43,13 @@ from google.protobuf import json_format
 
 from kv_picker.director import Director, RoutedRequest
 from kv_picker.endpoint import Endpoint
-from kv_picker.errors import BadRequestError, BodyTooLargeError, InternalError, PickerError
+from kv_picker.errors import (
+    BadRequestError,
+    BodyTooLargeError,
+    InternalError,
+    OverloadedError,
+    PickerError,
+)
 from kv_picker.handlers import responses
 from kv_picker.handlers.usage import UsageReader
 from kv_picker.request import LLMRequest
@@ -112,6 +118,7 @@ class RequestStream:
         self.preparing: Awaitable[None] | None = None
         self._resume_end_of_stream = True
         self._trailers_after_pick = False
+        self._pending = False
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -165,8 +172,26 @@ class RequestStream:
 
     def close(self) -> None:
         """The gRPC stream ended (normally, or the client went away)."""
+        self._leave_pending()
         self._finish()
         self.closed = True
+
+    def _enter_pending(self) -> None:
+        """Count this request as waiting for its pick, unless too many already wait."""
+        director = self.director
+        limit = director.config.admission.max_pending_requests
+        if limit and director.pending >= limit:
+            raise OverloadedError(
+                f"kv-picker is overloaded: {director.pending} requests are waiting to be "
+                "scheduled (admission.maxPendingRequests)"
+            )
+        director.pending += 1
+        self._pending = True
+
+    def _leave_pending(self) -> None:
+        if self._pending:
+            self._pending = False
+            self.director.pending -= 1
 
     # -- request direction ----------------------------------------------------------------
 
@@ -184,6 +209,8 @@ class RequestStream:
             yield self._headers_pick(self._routed(self.director.route_bodyless(self.metadata)))
             return
         mode = self.request_body_mode
+        if mode in (FULL_DUPLEX, BUFFERED, None):
+            self._enter_pending()  # until the pick: the body is still to come
         if mode == FULL_DUPLEX:
             return  # hold the headers reply until the body has arrived
         if mode in (BUFFERED, None):
@@ -285,13 +312,16 @@ class RequestStream:
         )
 
     def _routed(self, routed: RoutedRequest) -> RoutedRequest:
+        self._leave_pending()
         self.routed = routed
         self.picked_s = time.perf_counter()
         return routed
 
     def _fail(self, error: PickerError) -> pb.ProcessingResponse:
+        self._leave_pending()
         self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
-        if error.status >= 500:
+        if error.status >= 500 and not isinstance(error, OverloadedError):
+            # (Shed requests are counted, not logged: a log line each would add to the load.)
             log.warning("request failed: %s", error.message)
         self.closed = True
         return responses.immediate_error(error)

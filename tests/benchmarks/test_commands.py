@@ -109,3 +109,38 @@ def test_pd_benchmark_smoke(tmp_path: Path) -> None:
     assert all(row["errors"] == 0 for row in rows.values())
     assert rows["pd"]["disaggregated"] > 0
     assert rows["hardware-blind"]["disaggregated"] == rows["default"]["disaggregated"] == 0
+
+
+def test_overload_benchmark_smoke(tmp_path: Path) -> None:
+    result = kv_picker(
+        "--log-level",
+        "warning",
+        "bench",
+        "overload",
+        "--mode",
+        "approximate",
+        "--endpoints",
+        "2",
+        "--prompt-tokens",
+        "200",
+        "--seconds",
+        "1",
+        "--bounds",
+        "8,0",
+        "--factors",
+        "0.5",
+        "--out",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "overload.json").read_text())
+    assert report["capacity_per_s"] > 0 and report["unloaded_p99_ms"] > 0
+    steps = report["steps"]
+    assert [(s["bound"], s["factor"]) for s in steps] == [(8, 0.5), (0, 0.5)]
+    for step in steps:
+        assert step["served_per_s"] > 0 and step["failed"] == 0
+        assert step["p99_ratio_to_unloaded"] == pytest.approx(
+            step["p99_ms"] / report["unloaded_p99_ms"]
+        )
+    assert "| maxPendingRequests |" in result.stdout

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_picker.handlers.extproc import RequestStream
-from kv_picker.wire import BODY_CHUNK_LIMIT_BYTES
+from kv_picker.wire import BODY_CHUNK_LIMIT_BYTES, DROPPED_REASON_HEADER
 from tests.fakes import make_director, make_store
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -335,3 +335,43 @@ def test_an_internal_error_sends_the_request_id_never_the_exception_text() -> No
     assert response.immediate_response.status.code == 500
     assert "req-42" in body
     assert "secret" not in body and "RuntimeError" not in body
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
+def test_past_the_pending_bound_a_request_is_refused_before_its_body(mode: int) -> None:
+    director = make_director({"admission": {"maxPendingRequests": 2}})
+    waiting = [RequestStream(director) for _ in range(2)]
+    for stream in waiting:
+        run(stream, headers_message(mode=mode))  # headers in, bodies still to come
+    assert director.pending == 2
+    shed = RequestStream(director)
+    (refused,) = run(shed, headers_message(mode=mode))
+    immediate = refused.immediate_response
+    assert immediate.status.code == 503
+    assert b"overloaded" in immediate.body and shed.closed
+    reasons = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    assert reasons[DROPPED_REASON_HEADER] == b"overloaded"
+    assert director.pending == 2  # the refused one never counted
+    # A pick, an error or a closed stream each free a place.
+    assert destination(run(waiting[0], body_message(BODY))[0])
+    assert director.pending == 1
+    run(waiting[1], body_message(b"{not json"))
+    assert director.pending == 0
+    late = RequestStream(director)
+    run(late, headers_message(mode=mode))
+    assert director.pending == 1
+    late.close()
+    late.close()
+    assert director.pending == 0
+    outcome = director.metrics.registry.get_sample_value(
+        "kv_picker_requests_total", {"model": "", "outcome": "overloaded"}
+    )
+    assert outcome == 1.0
+
+
+def test_no_pending_bound_when_it_is_zero() -> None:
+    director = make_director({"admission": {"maxPendingRequests": 0}})
+    streams = [RequestStream(director) for _ in range(600)]
+    for stream in streams:
+        assert run(stream, headers_message()) == []
+    assert director.pending == 600
