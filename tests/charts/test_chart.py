@@ -10,6 +10,7 @@ is read by the picker's own loader and the bundled Envoy's by Envoy (``--mode va
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,7 @@ EVERYTHING_ON: dict[str, Any] = {
 STATIC_ENDPOINTS: dict[str, Any] = {
     "inferencePool": {"enabled": False},
     "rbac": {"create": False},
+    "dashboard": {"enabled": False},
     "config": {"endpoints": [{"address": "10.0.0.7:8000"}]},
 }
 VALUE_SETS = {"defaults": {}, "everything-on": EVERYTHING_ON, "static-endpoints": STATIC_ENDPOINTS}
@@ -236,6 +238,7 @@ def test_defaults_deploy_the_pool_rbac_and_the_picker(tmp_path: Path) -> None:
     manifests = render()
     assert kinds(manifests) == [
         "ConfigMap",  # the picker's config
+        "ConfigMap",  # the dashboard
         "Deployment",
         "InferencePool",
         "Role",
@@ -411,6 +414,35 @@ def test_real_envoy_accepts_the_bundled_config(values: dict[str, Any], tmp_path:
     # ... and would refuse a broken one.
     config["static_resources"]["clusters"][0]["lb_policy"] = "NO_SUCH_POLICY"
     assert _envoy_validate(config, tmp_path).returncode != 0
+
+
+DASHBOARD_PANELS = {
+    "Scheduling latency",
+    "Picks by endpoint and profile",
+    "Prefix hit ratio",
+    "Index size",
+    "Index evictions",
+    "Queued prefill tokens",
+    "Admission decisions",
+    "Endpoint readiness",
+    "KV-event gaps and drops",
+    "Config reloads",
+}
+
+
+def test_the_dashboard_ships_in_a_sidecar_configmap() -> None:
+    manifests = render({"dashboard": {"annotations": {"grafana_folder": "LLM"}}})
+    configmap = find(manifests, "ConfigMap", "gw-kv-picker-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    dashboard = json.loads(configmap["data"]["kv-picker.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "kv-picker.json").read_text())
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert titles >= DASHBOARD_PANELS
+    for panel in dashboard["panels"]:
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+    without = render({"dashboard": {"enabled": False}})
+    assert [m["metadata"]["name"] for m in without if m["kind"] == "ConfigMap"] == ["gw-kv-picker"]
 
 
 def test_static_endpoints_without_the_pool(tmp_path: Path) -> None:
