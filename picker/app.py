@@ -3,6 +3,7 @@
 ```
 PickerApp.start()
   ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
+  ├── admin gRPC server: kvpicker.v1.Admin on its own port (loopback by default), optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── KubernetesDiscovery task (with discovery.kubernetes): pool + pods -> EndpointStore
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore
@@ -35,7 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kv_picker.admin import add_admin_service
-from kv_picker.config import PickerConfig, hardware_table, load_config
+from kv_picker.config import PickerConfig, TLSConfig, hardware_table, load_config
 from kv_picker.director import Director
 from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
@@ -119,8 +120,10 @@ class PickerApp:
             config.metrics.path,
         )
         self.grpc_port = 0
+        self.admin_port = 0
         self.metrics_port = 0
         self._grpc_server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._http_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -152,21 +155,27 @@ class PickerApp:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)
-        add_admin_service(server, self.director)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        address = f"{config.server.host}:{config.server.grpc_port}"
-        if config.server.tls is not None:
-            key = Path(config.server.tls.key_path).read_bytes()
-            cert = Path(config.server.tls.cert_path).read_bytes()
-            credentials = grpc.ssl_server_credentials([(key, cert)])
-            self.grpc_port = server.add_secure_port(address, credentials)
-        else:
-            self.grpc_port = server.add_insecure_port(address)
+        self.grpc_port = _bind(
+            server, config.server.host, config.server.grpc_port, config.server.tls
+        )
         await server.start()
         self._grpc_server = server
         for service in HEALTH_SERVICES:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        admin = config.server.admin
+        if admin.enabled:
+            admin_server = grpc.aio.server(
+                options=[
+                    ("grpc.max_receive_message_length", message_limit),
+                    ("grpc.max_send_message_length", message_limit),
+                ]
+            )
+            add_admin_service(admin_server, self.director)
+            self.admin_port = _bind(admin_server, admin.host, admin.port, admin.tls)
+            await admin_server.start()
+            self._admin_server = admin_server
 
         app = web.Application()
         app.router.add_get("/metrics", self._metrics_handler)
@@ -189,10 +198,11 @@ class PickerApp:
         if self.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
         log.info(
-            "kv-picker serving ext_proc on %s:%d (%s), metrics on :%d, %d endpoints",
+            "kv-picker serving ext_proc on %s:%d (%s), admin on %s, metrics on :%d, %d endpoints",
             config.server.host,
             self.grpc_port,
-            "TLS" if config.server.tls else "plaintext",
+            _security(config.server.tls),
+            f"{admin.host}:{self.admin_port} ({_security(admin.tls)})" if admin.enabled else "off",
             self.metrics_port,
             len(self.store),
         )
@@ -201,6 +211,8 @@ class PickerApp:
         """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._admin_server is not None:
+            await self._admin_server.stop(0)
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)
         for task in self._tasks:
@@ -311,6 +323,26 @@ class PickerApp:
     async def _healthz_handler(self, request: web.Request) -> web.Response:
         ready = len(self.store.ready_endpoints())
         return web.json_response({"endpoints": len(self.store), "ready": ready})
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None) -> int:
+    """Listen on ``host:port`` (TLS when configured); returns the port bound."""
+    address = f"{host}:{port}"
+    if tls is None:
+        return int(server.add_insecure_port(address))
+    key = Path(tls.key_path).read_bytes()
+    cert = Path(tls.cert_path).read_bytes()
+    client_ca = Path(tls.client_ca_path).read_bytes() if tls.client_ca_path else None
+    credentials = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+    return int(server.add_secure_port(address, credentials))
+
+
+def _security(tls: TLSConfig | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca_path else "TLS"
 
 
 async def serve(config_path: str | None, config: PickerConfig) -> None:

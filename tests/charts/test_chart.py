@@ -268,6 +268,9 @@ def test_defaults_deploy_the_pool_rbac_and_the_picker(tmp_path: Path) -> None:
     kubernetes = config.discovery.kubernetes
     assert (kubernetes.namespace, kubernetes.inference_pool) == (NAMESPACE, "gw-kv-picker")
     assert (config.server.grpc_port, config.server.metrics_port) == (9002, 9090)
+    # The admin API stays on loopback in the pod, and out of the Service.
+    assert (config.server.admin.host, config.server.admin.port) == ("127.0.0.1", 9004)
+    assert 9004 not in [p["port"] for p in service["spec"]["ports"]]
     assert config.index.backend == "memory"
     container = find(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][-2:] == ["--config", "/etc/kv-picker/config/config.yaml"]
@@ -486,6 +489,7 @@ def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
         {"grpc": {"port": 70000}},
         {"tls": {"enabled": True}},
         {"config": {"server": {"grpcPort": 1}}},
+        {"config": {"server": {"admin": {"host": "0.0.0.0"}}}},
         {"logLevel": "loud"},
         # the pool owns discovery
         {"config": {"endpoints": [{"address": "10.0.0.7:8000"}]}},

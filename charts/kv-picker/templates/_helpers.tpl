@@ -56,7 +56,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* The picker's config: the user's document with the sections the chart owns. */}}
 {{- define "kv-picker.config" -}}
-{{- $server := dict "host" "0.0.0.0" "grpcPort" (int .Values.grpc.port) "metricsPort" (int .Values.metrics.port) -}}
+{{- $admin := dict "enabled" .Values.admin.enabled "host" "127.0.0.1" "port" (int .Values.admin.port) -}}
+{{- $server := dict "host" "0.0.0.0" "grpcPort" (int .Values.grpc.port) "metricsPort" (int .Values.metrics.port) "admin" $admin -}}
 {{- if .Values.tls.enabled -}}
 {{- $_ := set $server "tls" (dict "certPath" "/etc/kv-picker/tls/tls.crt" "keyPath" "/etc/kv-picker/tls/tls.key") -}}
 {{- end -}}
