@@ -2,7 +2,8 @@
 
 ```
 PickerApp.start()
-  ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
+  ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS or mutual TLS (files
+  │     re-read when they change, see kv_picker.tls)
   ├── admin gRPC server: kvpicker.v1.Admin on its own port (loopback by default), optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── KubernetesDiscovery task (with discovery.kubernetes): pool + pods -> EndpointStore
@@ -51,6 +52,7 @@ from kv_picker.sources.kubernetes import KubernetesDiscovery
 from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
+from kv_picker.tls import CertificateFiles
 from kv_picker.wire import HEALTH_SERVICES
 
 log = logging.getLogger(__name__)
@@ -157,8 +159,13 @@ class PickerApp:
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reloads = self.metrics.tls_reloads
         self.grpc_port = _bind(
-            server, config.server.host, config.server.grpc_port, config.server.tls
+            server,
+            config.server.host,
+            config.server.grpc_port,
+            config.server.tls,
+            lambda result: reloads.labels("grpc", result).inc(),
         )
         await server.start()
         self._grpc_server = server
@@ -173,7 +180,13 @@ class PickerApp:
                 ]
             )
             add_admin_service(admin_server, self.director)
-            self.admin_port = _bind(admin_server, admin.host, admin.port, admin.tls)
+            self.admin_port = _bind(
+                admin_server,
+                admin.host,
+                admin.port,
+                admin.tls,
+                lambda result: reloads.labels("admin", result).inc(),
+            )
             await admin_server.start()
             self._admin_server = admin_server
 
@@ -325,17 +338,19 @@ class PickerApp:
         return web.json_response({"endpoints": len(self.store), "ready": ready})
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None) -> int:
-    """Listen on ``host:port`` (TLS when configured); returns the port bound."""
+def _bind(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    tls: TLSConfig | None,
+    on_reload: Callable[[str], None] | None = None,
+) -> int:
+    """Listen on ``host:port``, with TLS from files that are re-read when they change
+    (:mod:`kv_picker.tls`) when configured; returns the port bound."""
     address = f"{host}:{port}"
     if tls is None:
         return int(server.add_insecure_port(address))
-    key = Path(tls.key_path).read_bytes()
-    cert = Path(tls.cert_path).read_bytes()
-    client_ca = Path(tls.client_ca_path).read_bytes() if tls.client_ca_path else None
-    credentials = grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
+    credentials = CertificateFiles(tls, on_reload).credentials()
     return int(server.add_secure_port(address, credentials))
 
 

@@ -181,6 +181,13 @@ class PickerMetrics:
             ("result",),
             registry=r,
         )
+        self.tls_reloads = Counter(
+            "kv_picker_tls_reloads",
+            "Certificate files re-read after they changed, by port (grpc, admin) and result "
+            "(applied; rejected: the key did not match or a file did not parse, old set kept).",
+            ("port", "result"),
+            registry=r,
+        )
         # Precise KV index (KV events). Block counts, not message counts, unless named.
         self.kv_index_blocks = Gauge(
             "kv_picker_kv_index_blocks",

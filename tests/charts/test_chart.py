@@ -26,6 +26,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-val
 from kv_picker.config import PickerConfig, load_config  # noqa: E402
 from kv_picker.plugins import builtin_registry  # noqa: E402
 from kv_picker_bench.localstack import envoy_binary, envoy_bootstrap  # noqa: E402
+from tests.certificates import CertificateAuthority  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kv-picker"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
@@ -52,9 +53,18 @@ EVERYTHING_ON: dict[str, Any] = {
         "hostnames": ["llm.example.com"],
         "timeout": "600s",
     },
-    "envoy": {"enabled": True, "bodyMode": "BUFFERED", "maxBodyBytes": 4194304},
+    "envoy": {
+        "enabled": True,
+        "bodyMode": "BUFFERED",
+        "maxBodyBytes": 4194304,
+        "tls": {"secretName": "envoy-client"},
+    },
     "valkey": {"enabled": True},
-    "tls": {"enabled": True, "secretName": "picker-tls"},
+    "tls": {
+        "enabled": True,
+        "secretName": "picker-tls",
+        "clientCA": {"enabled": True, "secretName": "gateway-ca"},
+    },
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True}},
     "grpc": {"port": 9100},
     "podDisruptionBudget": {"enabled": True, "minAvailable": 2},
@@ -412,6 +422,13 @@ def test_real_envoy_accepts_the_bundled_config(values: dict[str, Any], tmp_path:
     values = copy.deepcopy(values)
     values.setdefault("envoy", {})["enabled"] = True
     config = envoy_config(render(values))
+    # The TLS files the pod mounts from Secrets, made here so that Envoy can load them.
+    text = yaml.safe_dump(config)
+    if "/etc/envoy/tls/" in text:
+        ca = CertificateAuthority("test CA")
+        ca.issue("envoy", server=False).write(tmp_path, "tls")
+        (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+        config = yaml.safe_load(text.replace("/etc/envoy/tls/", f"{tmp_path}/"))
     result = _envoy_validate(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and would refuse a broken one.
@@ -471,6 +488,40 @@ def test_user_config_passes_through_and_ports_follow_values(tmp_path: Path) -> N
     assert [p.type for p in config.plugins] == ["queue-scorer", "max-score-picker"]
 
 
+def test_mutual_tls_mounts_the_client_ca_and_envoy_presents_its_certificate(
+    tmp_path: Path,
+) -> None:
+    manifests = render(EVERYTHING_ON)
+    spec = find(manifests, "Deployment", "gw-kv-picker")["spec"]["template"]["spec"]
+    assert {
+        "name": "client-ca",
+        "secret": {"secretName": "gateway-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]},
+    } in spec["volumes"]
+    mounts = spec["containers"][0]["volumeMounts"]
+    assert {"name": "client-ca", "mountPath": "/etc/kv-picker/client-ca", "readOnly": True} in (
+        mounts
+    )
+    config = load_picker_config(manifests, tmp_path)
+    assert config.server.tls is not None
+    assert config.server.tls.client_ca_path == "/etc/kv-picker/client-ca/ca.crt"
+    # The bundled Envoy verifies the picker and presents its client certificate.
+    (ext_proc,) = [
+        c
+        for c in envoy_config(manifests)["static_resources"]["clusters"]
+        if c["name"] == "ext_proc"
+    ]
+    context = ext_proc["transport_socket"]["typed_config"]
+    assert context["common_tls_context"]["tls_certificates"] == [
+        {
+            "certificate_chain": {"filename": "/etc/envoy/tls/tls.crt"},
+            "private_key": {"filename": "/etc/envoy/tls/tls.key"},
+        }
+    ]
+    assert context["sni"] == f"gw-kv-picker.{NAMESPACE}.svc"
+    envoy_spec = find(manifests, "Deployment", "gw-kv-picker-envoy")["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "envoy-client"}} in envoy_spec["volumes"]
+
+
 def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
     manifests = render({"tls": {"enabled": True, "secretName": "picker-tls"}})
     spec = find(manifests, "Deployment")["spec"]["template"]["spec"]
@@ -505,6 +556,7 @@ def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
             "config": {"endpoints": [{"address": "10.0.0.7:8000"}]},
         },
         {"envoy": {"enabled": True, "bodyMode": "STREAMED"}},
+        {"envoy": {"enabled": True}, "tls": {"enabled": True, "secretName": "t"}},
         {"valkey": {"enabled": True}, "config": {"index": {"backend": "memory"}}},
     ],
 )

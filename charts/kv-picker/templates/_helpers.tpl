@@ -59,7 +59,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $admin := dict "enabled" .Values.admin.enabled "host" "127.0.0.1" "port" (int .Values.admin.port) -}}
 {{- $server := dict "host" "0.0.0.0" "grpcPort" (int .Values.grpc.port) "metricsPort" (int .Values.metrics.port) "admin" $admin -}}
 {{- if .Values.tls.enabled -}}
-{{- $_ := set $server "tls" (dict "certPath" "/etc/kv-picker/tls/tls.crt" "keyPath" "/etc/kv-picker/tls/tls.key") -}}
+{{- $tls := dict "certPath" "/etc/kv-picker/tls/tls.crt" "keyPath" "/etc/kv-picker/tls/tls.key" -}}
+{{- if .Values.tls.clientCA.enabled -}}
+{{- $_ := set $tls "clientCAPath" (printf "/etc/kv-picker/client-ca/%s" .Values.tls.clientCA.key) -}}
+{{- end -}}
+{{- $_ := set $server "tls" $tls -}}
 {{- end -}}
 {{- $config := deepCopy .Values.config -}}
 {{- $_ := set $config "server" (merge $server (default (dict) $config.server)) -}}
