@@ -11,6 +11,7 @@ PickerApp.start()
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
+  ├── span exporter thread (with tracing): OpenTelemetry spans of the routing path
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
 
@@ -53,6 +54,7 @@ from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.tls import CertificateFiles
+from kv_picker.tracing import RequestTracer
 from kv_picker.wire import HEALTH_SERVICES
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class PickerApp:
         self.director = Director(
             config, self.store, scheduler, self.ctx.rng, self.metrics, self.request_log
         )
+        if config.tracing is not None:  # OpenTelemetry is imported only then
+            self.director.tracer = RequestTracer.from_config(config.tracing)
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
         self.scraper = MetricsScraper(
             self.store,
@@ -240,6 +244,8 @@ class PickerApp:
             await asyncio.to_thread(self.request_log.close)
         if self._http_runner is not None:
             await self._http_runner.cleanup()
+        if self.director.tracer is not None:  # flush the last spans
+            await asyncio.to_thread(self.director.tracer.shutdown)
 
     async def wait_ready(self, timeout_s: float = 10.0, min_ready: int = 1) -> None:
         """Wait until at least ``min_ready`` endpoints answered a scrape."""
@@ -286,9 +292,11 @@ class PickerApp:
             config.kv_events != self.config.kv_events
             or config.index != self.config.index
             or config.request_log != self.config.request_log
+            or config.tracing != self.config.tracing
         ):
             log.warning(
-                "kvEvents, index or requestLog settings changed in %s: they take effect on restart",
+                "kvEvents, index, requestLog or tracing settings changed in %s: they take effect "
+                "on restart",
                 self.config_path,
             )
         if config.metrics != self.config.metrics:

@@ -32,6 +32,8 @@ index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000}
 seed: 0                                  # random tie-breaks are repeatable
 requestLog: {path: /var/log/kv-picker/requests.jsonl, maxBytes: 67108864, backups: 3,
              salt: ..., blockTokens: 512}   # optional: a replayable trace of what was routed
+tracing: {exporter: otlp, endpoint: http://otel-collector:4317, sampleRatio: 0.1,
+          serviceName: kv-picker}          # optional: OpenTelemetry spans (kv_picker.tracing)
 plugins: [{type: ..., name: ..., parameters: {...}}]
 schedulingProfiles: [{name: default, plugins: [{pluginRef: ..., weight: 2}]}]
 ```
@@ -76,6 +78,7 @@ from kv_picker.state.hardware import (
     HardwareClass,
     HardwareTable,
 )
+from kv_picker.tracing import TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +419,7 @@ class PickerConfig:
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
     request_log: RequestLogConfig | None = None
+    tracing: TracingConfig | None = None
 
 
 def hardware_table(config: PickerConfig) -> HardwareTable:
@@ -512,6 +516,7 @@ class _Document:
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
     request_log: RequestLogConfig | None = None
+    tracing: TracingConfig | None = None
     # Upstream sections accepted for compatibility and ignored (a warning names them).
     feature_gates: Any = None
     data_layer: Any = None
@@ -597,6 +602,7 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
         kv_events=doc.kv_events,
         index=doc.index,
         request_log=doc.request_log,
+        tracing=doc.tracing,
     )
 
 
