@@ -17,6 +17,7 @@ COMMANDS = {
     "families": "kv_picker_bench.harness.families",
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
+    "tracing": "kv_picker_bench.tracing_overhead",
 }
 
 
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  families   the trace generators --trace accepts, their parameters and ranges")
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
+        print("  tracing    per-request cost of OpenTelemetry tracing, off and on (in process)")
         return 0 if args and args[0] in ("-h", "--help") else 2
     import importlib
 

@@ -346,6 +346,7 @@ class LocalStack:
         self.envoy_port = 0
         self.envoy_admin_port = 0
         self.picker_grpc_port = 0
+        self.picker_admin_port = 0
         self.picker_metrics_port = 0
 
     @property
@@ -456,10 +457,12 @@ class LocalStack:
         if not self.picker_grpc_port:
             self.picker_grpc_port = free_port()
             self.picker_metrics_port = free_port()
+            self.picker_admin_port = free_port()
         config["server"] = {
             "host": "127.0.0.1",
             "grpcPort": self.picker_grpc_port,
             "metricsPort": self.picker_metrics_port,
+            "admin": {"host": "127.0.0.1", "port": self.picker_admin_port},
             **config.get("server", {}),
         }
         if self.discovery is not None:

@@ -1,6 +1,7 @@
 """kv-picker's own admin API (``kvpicker.v1.Admin``, proto/picker/api/admin.proto).
 
-Served on the ext_proc port. ``Explain`` runs the live scheduler on a request as a dry run:
+Served on a port of its own (``server.admin``: loopback by default, TLS when configured), not
+on the ext_proc port every gateway can reach. ``Explain`` runs the live scheduler on a request as a dry run:
 same endpoint signals, same KV index, same plugins, but no in-flight slot, no index update and
 no decision counted. ``ListEndpoints`` shows what every endpoint is scored on.
 """

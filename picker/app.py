@@ -2,7 +2,9 @@
 
 ```
 PickerApp.start()
-  ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS
+  ├── gRPC server (grpc.aio): ext_proc + grpc.health.v1, optional TLS or mutual TLS (files
+  │     re-read when they change, see kv_picker.tls)
+  ├── admin gRPC server: kvpicker.v1.Admin on its own port (loopback by default), optional TLS
   ├── HTTP server (aiohttp): /metrics (Prometheus), /healthz
   ├── KubernetesDiscovery task (with discovery.kubernetes): pool + pods -> EndpointStore
   ├── MetricsScraper task: endpoints' /metrics -> EndpointStore (fetched and parsed in a
@@ -10,6 +12,7 @@ PickerApp.start()
   ├── KVEventSubscriber task (with kvEvents): endpoints' KV events -> precise KV index
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
+  ├── span exporter thread (with tracing): OpenTelemetry spans of the routing path
   └── config watcher task (when loaded from a file): reload on change, keep the old on error
 ```
 
@@ -36,7 +39,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kv_picker.admin import add_admin_service
-from kv_picker.config import PickerConfig, hardware_table, load_config
+from kv_picker.config import PickerConfig, TLSConfig, hardware_table, load_config
 from kv_picker.director import Director
 from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
@@ -52,6 +55,8 @@ from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scrape_process import ProcessScraper
 from kv_picker.sources.scraper import MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
+from kv_picker.tls import CertificateFiles
+from kv_picker.tracing import RequestTracer
 from kv_picker.wire import HEALTH_SERVICES
 
 log = logging.getLogger(__name__)
@@ -112,6 +117,8 @@ class PickerApp:
         self.director = Director(
             config, self.store, scheduler, self.ctx.rng, self.metrics, self.request_log
         )
+        if config.tracing is not None:  # OpenTelemetry is imported only then
+            self.director.tracer = RequestTracer.from_config(config.tracing)
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
         self.metrics.pending.set_function(lambda: self.director.pending)
         scraper_class = ProcessScraper if config.metrics.scraper == "process" else MetricsScraper
@@ -123,8 +130,10 @@ class PickerApp:
             config.metrics.path,
         )
         self.grpc_port = 0
+        self.admin_port = 0
         self.metrics_port = 0
         self._grpc_server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._http_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -156,21 +165,38 @@ class PickerApp:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director), server)
-        add_admin_service(server, self.director)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        address = f"{config.server.host}:{config.server.grpc_port}"
-        if config.server.tls is not None:
-            key = Path(config.server.tls.key_path).read_bytes()
-            cert = Path(config.server.tls.cert_path).read_bytes()
-            credentials = grpc.ssl_server_credentials([(key, cert)])
-            self.grpc_port = server.add_secure_port(address, credentials)
-        else:
-            self.grpc_port = server.add_insecure_port(address)
+        reloads = self.metrics.tls_reloads
+        self.grpc_port = _bind(
+            server,
+            config.server.host,
+            config.server.grpc_port,
+            config.server.tls,
+            lambda result: reloads.labels("grpc", result).inc(),
+        )
         await server.start()
         self._grpc_server = server
         for service in HEALTH_SERVICES:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        admin = config.server.admin
+        if admin.enabled:
+            admin_server = grpc.aio.server(
+                options=[
+                    ("grpc.max_receive_message_length", message_limit),
+                    ("grpc.max_send_message_length", message_limit),
+                ]
+            )
+            add_admin_service(admin_server, self.director)
+            self.admin_port = _bind(
+                admin_server,
+                admin.host,
+                admin.port,
+                admin.tls,
+                lambda result: reloads.labels("admin", result).inc(),
+            )
+            await admin_server.start()
+            self._admin_server = admin_server
 
         app = web.Application()
         app.router.add_get("/metrics", self._metrics_handler)
@@ -193,10 +219,11 @@ class PickerApp:
         if self.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
         log.info(
-            "kv-picker serving ext_proc on %s:%d (%s), metrics on :%d, %d endpoints",
+            "kv-picker serving ext_proc on %s:%d (%s), admin on %s, metrics on :%d, %d endpoints",
             config.server.host,
             self.grpc_port,
-            "TLS" if config.server.tls else "plaintext",
+            _security(config.server.tls),
+            f"{admin.host}:{self.admin_port} ({_security(admin.tls)})" if admin.enabled else "off",
             self.metrics_port,
             len(self.store),
         )
@@ -205,6 +232,8 @@ class PickerApp:
         """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._admin_server is not None:
+            await self._admin_server.stop(0)
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)
         for task in self._tasks:
@@ -219,6 +248,8 @@ class PickerApp:
             await asyncio.to_thread(self.request_log.close)
         if self._http_runner is not None:
             await self._http_runner.cleanup()
+        if self.director.tracer is not None:  # flush the last spans
+            await asyncio.to_thread(self.director.tracer.shutdown)
 
     async def wait_ready(self, timeout_s: float = 10.0, min_ready: int = 1) -> None:
         """Wait until at least ``min_ready`` endpoints answered a scrape."""
@@ -265,9 +296,11 @@ class PickerApp:
             config.kv_events != self.config.kv_events
             or config.index != self.config.index
             or config.request_log != self.config.request_log
+            or config.tracing != self.config.tracing
         ):
             log.warning(
-                "kvEvents, index or requestLog settings changed in %s: they take effect on restart",
+                "kvEvents, index, requestLog or tracing settings changed in %s: they take effect "
+                "on restart",
                 self.config_path,
             )
         if config.metrics != self.config.metrics:
@@ -319,6 +352,28 @@ class PickerApp:
     async def _healthz_handler(self, request: web.Request) -> web.Response:
         ready = len(self.store.ready_endpoints())
         return web.json_response({"endpoints": len(self.store), "ready": ready})
+
+
+def _bind(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    tls: TLSConfig | None,
+    on_reload: Callable[[str], None] | None = None,
+) -> int:
+    """Listen on ``host:port``, with TLS from files that are re-read when they change
+    (:mod:`kv_picker.tls`) when configured; returns the port bound."""
+    address = f"{host}:{port}"
+    if tls is None:
+        return int(server.add_insecure_port(address))
+    credentials = CertificateFiles(tls, on_reload).credentials()
+    return int(server.add_secure_port(address, credentials))
+
+
+def _security(tls: TLSConfig | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca_path else "TLS"
 
 
 async def serve(config_path: str | None, config: PickerConfig) -> None:

@@ -98,8 +98,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         from kv_picker.api import admin_pb2_grpc
 
+        channel_credentials = _admin_credentials(args)
+
         async def ask() -> admin_pb2.ExplainResponse:
-            async with grpc.aio.insecure_channel(args.server) as channel:
+            channel = (
+                grpc.aio.secure_channel(args.server, channel_credentials)
+                if channel_credentials is not None
+                else grpc.aio.insecure_channel(args.server)
+            )
+            async with channel:
                 stub = admin_pb2_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
                 request = admin_pb2.ExplainRequest(path=args.path or "", body=body,
                                                    headers=headers)  # fmt: skip
@@ -133,6 +140,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
     )
     print(json.dumps(document, indent=2))
     return EXIT_OK
+
+
+def _admin_credentials(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Channel credentials for ``--server`` from ``--tls-ca`` (and ``--tls-cert``/``--tls-key``
+    for an admin port that verifies clients), or None for plaintext."""
+    import grpc
+
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(args.tls_ca),
+        private_key=read(args.tls_key),
+        certificate_chain=read(args.tls_cert),
+    )
 
 
 def _parse_header(text: str) -> tuple[str, str]:
@@ -191,8 +223,15 @@ def build_parser(extensions: dict[str, EntryPoint] | None = None) -> argparse.Ar
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
     explain.add_argument("--config", help="EndpointPickerConfig YAML (offline explain)")
     explain.add_argument(
-        "--server", help="ask a running picker instead (HOST:PORT of its ext_proc port)"
+        "--server",
+        help="ask a running picker instead (HOST:PORT of its admin port, server.admin: "
+        "127.0.0.1:9004 by default; kubectl port-forward reaches it in a pod)",
     )
+    explain.add_argument(
+        "--tls-ca", help="--server speaks TLS: verify it with this CA bundle (PEM)"
+    )
+    explain.add_argument("--tls-cert", help="--server wants a client certificate: this one (PEM)")
+    explain.add_argument("--tls-key", help="the client certificate's key (PEM)")
     explain.add_argument("--request", required=True, help="JSON request body file")
     explain.add_argument(
         "--path",

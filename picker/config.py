@@ -8,7 +8,8 @@ sections:
 apiVersion: kv-picker.io/v1alpha1        # or llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608,
-         tls: {certPath: ..., keyPath: ...}}
+         tls: {certPath: ..., keyPath: ..., clientCAPath: ...},   # clientCAPath: mutual TLS
+         admin: {host: 127.0.0.1, port: 9004, tls: {...}}}       # kvpicker.v1.Admin
 endpoints:                               # static discovery
 - address: 10.0.0.7:8000
   labels: {llm-d.ai/role: both}
@@ -33,6 +34,8 @@ index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000}
 seed: 0                                  # random tie-breaks are repeatable
 requestLog: {path: /var/log/kv-picker/requests.jsonl, maxBytes: 67108864, backups: 3,
              salt: ..., blockTokens: 512}   # optional: a replayable trace of what was routed
+tracing: {exporter: otlp, endpoint: http://otel-collector:4317, sampleRatio: 0.1,
+          serviceName: kv-picker}          # optional: OpenTelemetry spans (kv_picker.tracing)
 plugins: [{type: ..., name: ..., parameters: {...}}]
 schedulingProfiles: [{name: default, plugins: [{pluginRef: ..., weight: 2}]}]
 ```
@@ -77,6 +80,7 @@ from kv_picker.state.hardware import (
     HardwareClass,
     HardwareTable,
 )
+from kv_picker.tracing import TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +150,30 @@ NonEmpty = Check(_not_empty, "must not be empty")
 
 @dataclass(frozen=True)
 class TLSConfig:
+    """TLS on a gRPC port, from files that are re-read when they change (:mod:`kv_picker.tls`).
+
+    ``clientCAPath`` turns on mutual TLS: a client must present a certificate signed by one of
+    that file's CAs (the gateway's), else the handshake fails.
+    """
+
     cert_path: Annotated[str, NonEmpty]
     key_path: Annotated[str, NonEmpty]
+    client_ca_path: Annotated[str, NonEmpty] | None = field(
+        default=None, metadata=key("clientCAPath", aliases=("clientCaPath",))
+    )
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """``server.admin``: the ``kvpicker.v1.Admin`` API (Explain, ListEndpoints) on a port of its
+    own, apart from the ext_proc port every gateway reaches. It shows endpoint state and runs
+    the scheduler on any body, so it listens on loopback unless told otherwise
+    (``kubectl port-forward`` reaches it there)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Port] = 9004
+    tls: TLSConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +183,7 @@ class ServerConfig:
     metrics_port: Annotated[int, Port] = 9090
     max_body_bytes: Annotated[int, Positive] = 8 * 1024 * 1024
     tls: TLSConfig | None = None
+    admin: AdminConfig = field(default_factory=AdminConfig)
 
 
 def _absolute_path(path: str) -> bool:
@@ -395,6 +422,7 @@ class PickerConfig:
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
     request_log: RequestLogConfig | None = None
+    tracing: TracingConfig | None = None
 
 
 def hardware_table(config: PickerConfig) -> HardwareTable:
@@ -491,6 +519,7 @@ class _Document:
     kv_events: KVEventsConfig | None = None
     index: IndexConfig = field(default_factory=IndexConfig)
     request_log: RequestLogConfig | None = None
+    tracing: TracingConfig | None = None
     # Upstream sections accepted for compatibility and ignored (a warning names them).
     feature_gates: Any = None
     data_layer: Any = None
@@ -576,6 +605,7 @@ def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> P
         kv_events=doc.kv_events,
         index=doc.index,
         request_log=doc.request_log,
+        tracing=doc.tracing,
     )
 
 

@@ -35,6 +35,7 @@ from kv_picker.scheduling.framework import SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
 from kv_picker.state.endpoints import EndpointStore
+from kv_picker.tracing import RequestTrace, RequestTracer
 from kv_picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ class Director:
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
         # Streams whose headers arrived and that are not routed yet (see admission.py).
         self.pending = 0
+        # Set by the app when tracing is configured; None costs one test per stage.
+        self.tracer: RequestTracer | None = None
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already routed keep their picks."""
@@ -220,6 +223,7 @@ class Director:
         *,
         dry_run: bool = False,
         explain: bool = False,
+        trace: RequestTrace | None = None,
     ) -> RoutedRequest:
         """Admit and schedule a parsed (and prepared) request; take its in-flight slot.
 
@@ -228,11 +232,38 @@ class Director:
             metadata: the stream's filter metadata (subset hint).
             dry_run: change nothing: no slot, no index update, no decision counted.
             explain: keep every scorer's scores in the result.
+            trace: the request's spans, when tracing is on (``schedule`` and ``pick`` here).
 
         Raises:
             PickerError: shed or filtered out (429), no endpoints (503), or an internal error
                 (500, whose message carries the request id only).
         """
+        span = trace.start("schedule") if trace is not None else None
+        try:
+            result = self._schedule(request, metadata, dry_run, explain)
+        except BaseException as error:
+            if trace is not None:
+                trace.fail(span, error)
+            raise
+        if trace is None:
+            return self._pick(request, result, dry_run)
+        if span is not None:
+            span.end()
+        span = trace.start("pick")
+        handle = self._pick(request, result, dry_run)
+        span.set_attribute("kv_picker.endpoint", handle.endpoint.address)
+        span.set_attribute("kv_picker.outcome", handle.outcome)
+        span.end()
+        return handle
+
+    def _schedule(
+        self,
+        request: LLMRequest,
+        metadata: Mapping[str, Any] | None,
+        dry_run: bool,
+        explain: bool,
+    ) -> SchedulingResult:
+        """Candidates, admission and every profile's run: the result, or a PickerError."""
         record = not dry_run
         candidates = self.candidates(metadata)
         try:
@@ -259,6 +290,10 @@ class Director:
         if not result.primary.targets:
             log.error("request %s: the picker returned no endpoint", request.request_id)
             raise InternalError(f"internal error: no endpoint (request id {request.request_id})")
+        return result
+
+    def _pick(self, request: LLMRequest, result: SchedulingResult, dry_run: bool) -> RoutedRequest:
+        """The destination's accounting: in-flight slot, queued prefill, picks, request log."""
         endpoint = result.destination
         prefill_endpoint = result.prefill_endpoint
         if prefill_endpoint is endpoint:

@@ -53,6 +53,11 @@ OTHER_MODEL = "other"
 PLUGIN_LABELS = ("profile", "plugin", "type")
 ENDPOINT_LABELS = ("endpoint",)
 DISCOVERY_LABELS = ("resource", "reason")
+# Label values known in advance, exported at 0 from the start so that rates and dashboards show
+# 0 rather than no data before the first occurrence.
+ADMISSION_DECISIONS = ("admitted", "admitted-sheddable", "shed")
+RELOAD_RESULTS = ("applied", "rejected")
+SEQUENCE_BREAKS = ("gap", "restart")
 
 
 class PickerMetrics:
@@ -152,6 +157,13 @@ class PickerMetrics:
             ENDPOINT_LABELS,
             registry=r,
         )
+        self.endpoint_queued_prefill_tokens = Gauge(
+            "kv_picker_endpoint_queued_prefill_tokens",
+            "Uncached prompt tokens routed here whose first response byte has not come back "
+            "(the prefill work the picker counts as queued), at the last scrape.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kv_picker_scrape_errors",
             "Failed metric scrapes, by endpoint.",
@@ -173,6 +185,13 @@ class PickerMetrics:
             "kv_picker_config_reloads",
             "Config reload attempts, by result.",
             ("result",),
+            registry=r,
+        )
+        self.tls_reloads = Counter(
+            "kv_picker_tls_reloads",
+            "Certificate files re-read after they changed, by port (grpc, admin) and result "
+            "(applied; rejected: the key did not match or a file did not parse, old set kept).",
+            ("port", "result"),
             registry=r,
         )
         # Precise KV index (KV events). Block counts, not message counts, unless named.
@@ -227,6 +246,13 @@ class PickerMetrics:
             registry=r,
         )
 
+        for decision in ADMISSION_DECISIONS:
+            self.admission.labels(decision)
+        for result in RELOAD_RESULTS:
+            self.config_reloads.labels(result)
+        for kind in SEQUENCE_BREAKS:
+            self.kv_event_sequence_gaps.labels(kind)
+
         # Kubernetes discovery (kv_picker.sources.kubernetes).
         self.discovery_events = Counter(
             "kv_picker_discovery_events",
@@ -251,6 +277,7 @@ class PickerMetrics:
             self.endpoint_running,
             self.endpoint_kv_usage,
             self.endpoint_in_flight,
+            self.endpoint_queued_prefill_tokens,
             self.scrape_errors,
         ):
             metric.remove(address)

@@ -53,6 +53,7 @@ from kv_picker.errors import (
 from kv_picker.handlers import responses
 from kv_picker.handlers.usage import UsageReader
 from kv_picker.request import LLMRequest
+from kv_picker.tracing import RequestTrace
 from kv_picker.wire import (
     DESTINATION_HEADER,
     PICKER_OWNED_HEADERS,
@@ -114,6 +115,9 @@ class RequestStream:
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
+        # With tracing on (kv_picker.tracing): the request's spans, and the open prepare span.
+        self.trace: RequestTrace | None = None
+        self._prepare_span: Any = None
         # Set when the pick waits for Director.prepare: Process awaits it, then resume().
         self.preparing: Awaitable[None] | None = None
         self._resume_end_of_stream = True
@@ -175,6 +179,11 @@ class RequestStream:
         self._leave_pending()
         self._finish()
         self.closed = True
+        if self.trace is not None:
+            if self._prepare_span is not None:
+                self._prepare_span.end()
+            self.trace.end()
+            self.trace = None
 
     def _enter_pending(self) -> None:
         """Count this request as waiting for its pick, unless too many already wait."""
@@ -205,6 +214,8 @@ class RequestStream:
                 header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
             )
             self.headers[header.key.lower()] = value
+        if self.director.tracer is not None and not message.end_of_stream:
+            self.trace = self.director.tracer.start(self.headers)
         if message.end_of_stream:
             yield self._headers_pick(self._routed(self.director.route_bodyless(self.metadata)))
             return
@@ -249,7 +260,19 @@ class RequestStream:
         self.body_chunks = [body]
         if not body:
             raise BadRequestError("request body is empty")
-        request = self.director.parse(body, self.headers)
+        trace = self.trace
+        if trace is None:
+            request = self.director.parse(body, self.headers)
+        else:
+            span = trace.start("parse")
+            try:
+                request = self.director.parse(body, self.headers)
+            except BaseException as error:
+                trace.fail(span, error)
+                raise
+            span.end()
+            trace.set("kv_picker.model", request.model)
+            self._prepare_span = trace.start("prepare")
         self.model = request.model
         self.request = request
         self.preparing = self.director.prepare(request)
@@ -261,6 +284,9 @@ class RequestStream:
     def resume(self) -> Iterator[pb.ProcessingResponse]:
         """Finish routing once :attr:`preparing` is done (like :meth:`handle`, never raises)."""
         self.preparing = None
+        if self._prepare_span is not None:
+            self._prepare_span.end()
+            self._prepare_span = None
         if self.request is None:
             return
         try:
@@ -275,7 +301,10 @@ class RequestStream:
     def _pick(
         self, request: LLMRequest, body: bytes, end_of_stream: bool
     ) -> Iterator[pb.ProcessingResponse]:
-        routed = self._routed(self.director.route(request, self.metadata))
+        if self._prepare_span is not None:  # nothing was awaited
+            self._prepare_span.end()
+            self._prepare_span = None
+        routed = self._routed(self.director.route(request, self.metadata, trace=self.trace))
         # The body is all the stream still holds of the request: send it on, then let it go.
         self.body_chunks = []
         if self.request_body_mode == FULL_DUPLEX:
@@ -296,6 +325,8 @@ class RequestStream:
             set_headers.append(("content-length", str(content_length)))
         if routed.prefill_endpoint is not None:
             set_headers.append((PREFILLER_HEADER, routed.prefill_endpoint.address))
+        if self.trace is not None:  # the model server's spans continue the request's trace
+            set_headers += self.trace.carrier().items()
         set_names = {name for name, _ in set_headers}
         # Headers only the picker may set: drop whatever the client sent.
         remove = [h for h in PICKER_OWNED_HEADERS if h in self.headers and h not in set_names]
@@ -320,6 +351,8 @@ class RequestStream:
     def _fail(self, error: PickerError) -> pb.ProcessingResponse:
         self._leave_pending()
         self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
+        if self.trace is not None:
+            self.trace.set("kv_picker.outcome", error.reason)
         if error.status >= 500 and not isinstance(error, OverloadedError):
             # (Shed requests are counted, not logged: a log line each would add to the load.)
             log.warning("request failed: %s", error.message)

@@ -241,6 +241,9 @@ class MetricsScraper:
         self.metrics.endpoint_running.labels(address).set(signals.running)
         self.metrics.endpoint_kv_usage.labels(address).set(signals.kv_usage)
         self.metrics.endpoint_in_flight.labels(address).set(self.store.in_flight[endpoint.id])
+        self.metrics.endpoint_queued_prefill_tokens.labels(address).set(
+            self.store.prefill_tokens[endpoint.id]
+        )
 
 
 async def fetch_signals(session: aiohttp.ClientSession, address: str, path: str) -> EndpointSignals:

@@ -98,8 +98,8 @@ class PickerView:
     """Polls the picker's Admin ListEndpoints: when did each address become routable (in the
     store and ready) or stop being so."""
 
-    def __init__(self, grpc_port: int) -> None:
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    def __init__(self, admin_port: int) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{admin_port}")
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
         self.changes: list[tuple[float, frozenset[str]]] = []
         self._stop = threading.Event()
@@ -197,7 +197,7 @@ def test_pods_churn_while_requests_flow(
     kube: FakeKubeApi, tmp_path: Path, record_property: Callable[[str, Any], None]
 ) -> None:
     stack = start_stack(kube, tmp_path)
-    view = PickerView(stack.picker_grpc_port)
+    view = PickerView(stack.picker_admin_port)
     traffic = Traffic(stack.url)
     address = stack.sim_addresses
     ports = [int(a.rsplit(":", 1)[1]) for a in address]

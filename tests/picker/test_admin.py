@@ -28,7 +28,7 @@ def stack() -> Iterator[LocalStack]:
 
 
 def stub(stack: LocalStack) -> admin_pb2_grpc.AdminStub:
-    channel = grpc.insecure_channel(f"127.0.0.1:{stack.picker_grpc_port}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.picker_admin_port}")
     return admin_pb2_grpc.AdminStub(channel)
 
 
@@ -85,7 +85,7 @@ def test_cli_explain_against_the_server(stack: LocalStack, tmp_path: Path) -> No
             "kv_picker",
             "explain",
             "--server",
-            f"127.0.0.1:{stack.picker_grpc_port}",
+            f"127.0.0.1:{stack.picker_admin_port}",
             "--request",
             str(request),
         ],
@@ -98,6 +98,15 @@ def test_cli_explain_against_the_server(stack: LocalStack, tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["kind"] == "chat" and len(report["profiles"][0]["candidates"]) == 3
+
+
+def test_the_admin_api_is_not_on_the_ext_proc_port(stack: LocalStack) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.picker_grpc_port}")
+    with pytest.raises(grpc.RpcError) as info:
+        admin_pb2_grpc.AdminStub(channel).ListEndpoints(
+            admin_pb2.ListEndpointsRequest(), timeout=10
+        )
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_generated_code_is_up_to_date(tmp_path: Path) -> None:

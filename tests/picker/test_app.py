@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -13,17 +14,19 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kv_picker.api import admin_pb2, admin_pb2_grpc
 from kv_picker.app import PickerApp
-from kv_picker.config import load_config
+from kv_picker.config import AdminConfig, load_config
 from kv_picker.plugins import builtin_registry
 from kv_picker.wire import HEALTH_SERVICES
+from tests.certificates import CertificateAuthority
 
 REGISTRY = builtin_registry(include_entry_points=False)
 
 
 def write_config(path: Path, **overrides: object) -> Path:
     document: dict[str, object] = {
-        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}},
         "endpoints": [{"address": "127.0.0.1:9"}],
         "metrics": {"scrapeInterval": "50ms"},
     }
@@ -42,6 +45,39 @@ async def test_health_service_answers_every_name(tmp_path: Path) -> None:
             for service in HEALTH_SERVICES:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+async def test_the_admin_api_has_its_own_port_on_loopback(tmp_path: Path) -> None:
+    assert load_config(write_config(tmp_path / "d.yaml", server={}), REGISTRY).server.admin == (
+        AdminConfig(enabled=True, host="127.0.0.1", port=9004, tls=None)
+    )
+    app = PickerApp(load_config(write_config(tmp_path / "c.yaml"), REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        assert app.admin_port not in (0, app.grpc_port)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.admin_port}") as channel:
+            reply = await admin_pb2_grpc.AdminStub(channel).ListEndpoints(
+                admin_pb2.ListEndpointsRequest(), timeout=5
+            )
+            assert [e.address for e in reply.endpoints] == ["127.0.0.1:9"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await admin_pb2_grpc.AdminStub(channel).ListEndpoints(
+                    admin_pb2.ListEndpointsRequest(), timeout=5
+                )
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+async def test_the_admin_api_can_be_turned_off(tmp_path: Path) -> None:
+    server = {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"enabled": False}}
+    app = PickerApp(load_config(write_config(tmp_path / "c.yaml", server=server), REGISTRY))
+    await app.start()
+    try:
+        assert app.admin_port == 0
     finally:
         await app.stop(grace_s=0.5)
 
@@ -141,6 +177,7 @@ async def test_tls_serving(tmp_path: Path) -> None:
             "grpcPort": 0,
             "metricsPort": 0,
             "tls": {"certPath": str(cert), "keyPath": str(key)},
+            "admin": {"port": 0},
         },
     )
     app = PickerApp(load_config(path, REGISTRY), REGISTRY)
@@ -159,3 +196,44 @@ async def test_tls_serving(tmp_path: Path) -> None:
                 )
     finally:
         await app.stop(grace_s=0.5)
+
+
+async def test_admin_over_mutual_tls_and_explain_through_it(tmp_path: Path) -> None:
+    ca = CertificateAuthority("admin CA")
+    cert, key = ca.issue("kv-picker", server=True).write(tmp_path, "server")
+    client_cert, client_key = ca.issue("sre", server=False).write(tmp_path, "client")
+    ca_path = tmp_path / "ca.crt"
+    ca_path.write_bytes(ca.cert_pem)
+    tls = {"certPath": str(cert), "keyPath": str(key), "clientCAPath": str(ca_path)}
+    server = {
+        "host": "127.0.0.1",
+        "grpcPort": 0,
+        "metricsPort": 0,
+        "admin": {"port": 0, "tls": tls},
+    }
+    app = PickerApp(load_config(write_config(tmp_path / "c.yaml", server=server), REGISTRY))
+    await app.start()
+    try:
+        body = tmp_path / "body.json"
+        body.write_text('{"model": "m", "prompt": "hello"}')
+        base = ["explain", "--server", f"127.0.0.1:{app.admin_port}", "--request", str(body)]
+        with_cert = [*base, "--tls-ca", str(ca_path)]
+        with_cert += ["--tls-cert", str(client_cert), "--tls-key", str(client_key)]
+        # Through: the picker itself answers (its one endpoint was never scraped, so 503).
+        result = await asyncio.to_thread(run_cli, with_cert)
+        assert "503 rejected-no-endpoints" in result.stderr
+        for refused_args in ([*base, "--tls-ca", str(ca_path)], base):  # no client cert; plain
+            refused = await asyncio.to_thread(run_cli, refused_args)
+            assert refused.returncode == 1 and "503" not in refused.stderr, refused.stderr
+    finally:
+        await app.stop(grace_s=0.5)
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kv_picker", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -122,7 +122,12 @@ def test_serve_runs_until_sigterm_and_exits_cleanly(tmp_path: Path, event_loop: 
     config.write_text(
         yaml.safe_dump(
             {
-                "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+                "server": {
+                    "host": "127.0.0.1",
+                    "grpcPort": 0,
+                    "metricsPort": 0,
+                    "admin": {"port": 0},
+                },
                 "endpoints": [{"address": "127.0.0.1:9"}],
             }
         )

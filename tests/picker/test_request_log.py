@@ -539,7 +539,7 @@ def test_bad_config_sections_are_errors(section: dict[str, Any], message: str) -
 
 def write_config(path: Path, **overrides: object) -> Path:
     document: dict[str, object] = {
-        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}},
         "endpoints": [{"address": "127.0.0.1:9"}],
     }
     document.update(overrides)

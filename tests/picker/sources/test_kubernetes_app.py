@@ -54,7 +54,7 @@ async def sim() -> AsyncIterator[SimEndpoint]:
 def write_config(path: Path, kube: FakeKubeApi, sim: SimEndpoint, **extra: Any) -> Path:
     assert sim.publisher is not None
     document = {
-        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}},
         "metrics": {"scrapeInterval": "50ms"},
         "discovery": {
             "kubernetes": {
@@ -155,7 +155,7 @@ async def test_a_pod_that_stops_serving_leaves_indexes_metrics_and_kv_events(
 async def test_static_endpoints_without_discovery_still_reload(tmp_path: Path) -> None:
     path = tmp_path / "picker.yaml"
     document: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}},
         "endpoints": [{"address": "127.0.0.1:9"}],
     }
     path.write_text(yaml.safe_dump(document))

@@ -300,7 +300,7 @@ async def test_the_service_runs_the_subscriber_and_the_shared_index(server: Valk
     from kv_picker_bench.sim.events import KVEventPublisher
 
     document = {
-        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0},
+        "server": {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}},
         "endpoints": [{"address": "127.0.0.1:9"}],
         "plugins": [
             {
