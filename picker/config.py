@@ -20,6 +20,8 @@ kvEvents:                                # vLLM KV events, for precise-prefix-ca
   mode: connect                          # connect: one SUB socket per endpoint; bind: one SUB
   publisherPort: 5557                    #   socket the publishers connect to (kvEvents.bind)
   replayPort: 5558                       # optional: each endpoint's replay (ROUTER) socket
+  dataParallelBasePort: 8000             # optional: endpoints on 8000+r are DP rank r (events
+                                         #   at publisherPort+r, replays at replayPort+r)
   endpoints: {10.0.0.7:8000: {publisher: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558}}
   topicFilter: ""                        # ZMQ prefix subscription; topics kv@<endpoint>@<model>
   model: ""                              # model of events whose topic names none
@@ -230,12 +232,21 @@ class KVEventsConfig:
     ``tcp://<endpoint host>:<publisherPort>``; replays likewise from ``endpoints[..].replay`` or
     ``replayPort``. In ``bind`` mode the picker binds ``bind`` and endpoints' publishers connect
     to it; the topic ``kv@<endpoint>@<model>`` names the endpoint.
+
+    Data parallelism: vLLM runs one publisher per data-parallel rank and offsets its port (and
+    its replay port) by the rank. When each rank serves on its own port (rank 0 on
+    ``dataParallelBasePort``, rank r on that port + r, e.g. an InferencePool's ``targetPorts``),
+    each rank is an endpoint of its own, and connect mode reads rank r's events from
+    ``publisherPort + r`` (replays from ``replayPort + r``). Bind mode does not follow ranks
+    (their publishers would connect to the bind port + rank): list their addresses under
+    ``endpoints`` in connect mode instead.
     """
 
     mode: Literal["connect", "bind"] = "connect"
     bind: ZmqAddress = "tcp://0.0.0.0:5557"
     publisher_port: Annotated[int, Range(ge=1, le=65535)] = 5557
     replay_port: Annotated[int, Range(ge=1, le=65535)] | None = None
+    data_parallel_base_port: Annotated[int, Range(ge=1, le=65535)] | None = None
     endpoints: Mapping[str, KVEventSourceConfig] = field(default_factory=dict)
     topic_filter: str = ""
     model: str = ""

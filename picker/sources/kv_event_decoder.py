@@ -100,8 +100,9 @@ def _decode_event(event: Any) -> KVEvent | None:
         block_size = f.get("block_size")
         if not isinstance(token_ids, list):
             raise MalformedMessage("BlockStored.token_ids must be a list")
-        if type(block_size) is not int or block_size <= 0:
-            raise MalformedMessage("BlockStored.block_size must be a positive int")
+        # 0 in an offloading connector's placeholder events, which carry no tokens either.
+        if type(block_size) is not int or block_size < 0:
+            raise MalformedMessage("BlockStored.block_size must be a non-negative int")
         parent = f.get("parent_block_hash")
         extra_keys = f.get("extra_keys")
         if extra_keys is not None and not isinstance(extra_keys, list):

@@ -112,6 +112,7 @@ def build_subscriber(
         bind=events.bind,
         publisher_port=events.publisher_port,
         replay_port=events.replay_port,
+        data_parallel_base_port=events.data_parallel_base_port,
         endpoints=tuple(
             (address, PublisherAddress(source.publisher, source.replay))
             for address, source in events.endpoints.items()
