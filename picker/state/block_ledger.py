@@ -207,7 +207,9 @@ class BlockLedger:
         added = 0
         for engine_hash, key in zip(engine_hashes, keys, strict=False):
             stamp += 1
-            slot = engine_hash | group_bits
+            # Group 0 keys the entry by the event's own hash object: ``hash | 0`` would be a
+            # new int per entry (36 bytes each).
+            slot = engine_hash | group_bits if group_bits else engine_hash
             old = entries.get(slot)
             if old is None:
                 entries[slot] = key | _COUNT_ONE | stamp << _STAMP_SHIFT
@@ -243,7 +245,7 @@ class BlockLedger:
         group_bits = group << _GROUP_SHIFT
         hit = 0
         for engine_hash in engine_hashes:
-            slot = engine_hash | group_bits
+            slot = engine_hash | group_bits if group_bits else engine_hash
             value = entries.get(slot)
             if value is None:
                 continue
