@@ -69,9 +69,15 @@ def _hash64(value: Any) -> int:
     raise MalformedMessage(f"block hash must be an int or non-empty bytes, got {value!r:.40}")
 
 
+_INT_ONLY = {int}
+
+
 def _hashes(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise MalformedMessage("block_hashes must be a list")
+    # vLLM's default: uint64 ints, kept as decoded (checked in C-speed passes, no copy).
+    if value and set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= _U64_MASK:
+        return value
     return [_hash64(v) for v in value]
 
 
