@@ -280,7 +280,7 @@ class IndexConfig:
     uses vLLM's block hashes, which needs ``hashAlgo`` (``--prefix-caching-hash-algo``) and
     ``hashSeed`` (``PYTHONHASHSEED``) equal on every pod. Bounds: ``maxBlocks`` (endpoint,
     tier, group, block) entries in total (measured: about 150 bytes each in memory when
-    endpoints share prefixes, 250 when every block is distinct; about 90 in Redis), and per
+    endpoints share prefixes, 250 when every block is distinct; about 45 in Redis), and per
     endpoint and tier: the GPU tier its ``num_gpu_blocks`` when scraped, else (and other tiers)
     ``capacityBlocksPerEndpoint``.
 
