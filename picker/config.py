@@ -26,10 +26,13 @@ kvEvents:                                # vLLM KV events, for precise-prefix-ca
   mode: connect                          # connect: one SUB socket per endpoint; bind: one SUB
   publisherPort: 5557                    #   socket the publishers connect to (kvEvents.bind)
   replayPort: 5558                       # optional: each endpoint's replay (ROUTER) socket
+  dataParallelBasePort: 8000             # optional: endpoints on 8000+r are DP rank r (events
+                                         #   at publisherPort+r, replays at replayPort+r)
   endpoints: {10.0.0.7:8000: {publisher: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558}}
   topicFilter: ""                        # ZMQ prefix subscription; topics kv@<endpoint>@<model>
   model: ""                              # model of events whose topic names none
-index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000}
+index: {backend: memory, blockSizeTokens: 16, keys: dual, maxBlocks: 4000000,
+        tierWeights: {gpu: 1.0, cpu: 0.8, storage: 0.5}}
        # backend redis: url, keyPrefix, timeout; keys strict: hashAlgo, hashSeed (IndexConfig)
 seed: 0                                  # random tie-breaks are repeatable
 requestLog: {path: /var/log/kv-picker/requests.jsonl, maxBytes: 67108864, backups: 3,
@@ -73,6 +76,7 @@ from kv_picker.endpoint import EndpointSpec, split_address
 from kv_picker.errors import ConfigError
 from kv_picker.scheduling.framework import PluginKind
 from kv_picker.scheduling.registry import Registry
+from kv_picker.state.block_events import DEFAULT_TIER_WEIGHTS, Tiers
 from kv_picker.state.block_keys import HASH_ALGOS
 from kv_picker.state.hardware import (
     BUILTIN_HARDWARE_CLASSES,
@@ -261,12 +265,21 @@ class KVEventsConfig:
     ``tcp://<endpoint host>:<publisherPort>``; replays likewise from ``endpoints[..].replay`` or
     ``replayPort``. In ``bind`` mode the picker binds ``bind`` and endpoints' publishers connect
     to it; the topic ``kv@<endpoint>@<model>`` names the endpoint.
+
+    Data parallelism: vLLM runs one publisher per data-parallel rank and offsets its port (and
+    its replay port) by the rank. When each rank serves on its own port (rank 0 on
+    ``dataParallelBasePort``, rank r on that port + r, e.g. an InferencePool's ``targetPorts``),
+    each rank is an endpoint of its own, and connect mode reads rank r's events from
+    ``publisherPort + r`` (replays from ``replayPort + r``). Bind mode does not follow ranks
+    (their publishers would connect to the bind port + rank): list their addresses under
+    ``endpoints`` in connect mode instead.
     """
 
     mode: Literal["connect", "bind"] = "connect"
     bind: ZmqAddress = "tcp://0.0.0.0:5557"
     publisher_port: Annotated[int, Range(ge=1, le=65535)] = 5557
     replay_port: Annotated[int, Range(ge=1, le=65535)] | None = None
+    data_parallel_base_port: Annotated[int, Range(ge=1, le=65535)] | None = None
     endpoints: Mapping[str, KVEventSourceConfig] = field(default_factory=dict)
     topic_filter: str = ""
     model: str = ""
@@ -299,9 +312,15 @@ class IndexConfig:
     own keys from the events' token ids (any vLLM hash algorithm and seed); ``keys: strict``
     uses vLLM's block hashes, which needs ``hashAlgo`` (``--prefix-caching-hash-algo``) and
     ``hashSeed`` (``PYTHONHASHSEED``) equal on every pod. Bounds: ``maxBlocks`` (endpoint,
-    block) entries in total (measured: about 150 bytes each in memory when endpoints share
-    prefixes, 250 when every block is distinct; about 90 in Redis), and per endpoint its
-    ``num_gpu_blocks`` when scraped, else ``capacityBlocksPerEndpoint``.
+    tier, group, block) entries in total (measured: about 150 bytes each in memory when
+    endpoints share prefixes, 250 when every block is distinct; about 45 in Redis), and per
+    endpoint and tier: the GPU tier its ``num_gpu_blocks`` when scraped, else (and other tiers)
+    ``capacityBlocksPerEndpoint``.
+
+    ``tierWeights``: the media indexed (vLLM's ``medium``: ``GPU``, ``CPU``, ``STORAGE``, any
+    case; none means GPU) and what a block held there weighs in the precise score, in (0, 1].
+    Media not listed are not indexed; ``gpu`` is required. Replicas sharing a Redis index must
+    list the same names.
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -315,12 +334,21 @@ class IndexConfig:
         "sha256"
     )
     hash_seed: Text = "0"
+    tier_weights: Mapping[str, Annotated[float, Range(gt=0, le=1)]] = field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
+    )
     capacity_blocks_per_endpoint: Annotated[int, Range(ge=1)] = 500_000
     max_blocks: Annotated[int, Range(ge=1)] = 4_000_000
     timeout_s: Annotated[Duration, Positive] = field(default=0.05, metadata=key("timeout"))
     retry_interval_s: Annotated[Duration, Positive] = field(
         default=1.0, metadata=key("retryInterval")
     )
+
+    def validate(self) -> None:
+        try:
+            Tiers(self.tier_weights)
+        except ValueError as exc:
+            raise FieldError("tierWeights", str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ leading blocks, as their own KV events report.
 Type: ``precise-prefix-cache-scorer`` (llm-d's name; ``prefix-cache-scorer`` with
 ``mode: precise`` is accepted as a deprecated alias)
 
-Formula: ``score = matched_blocks / total_blocks`` where ``matched_blocks`` is the number of
-consecutive blocks, from block 0, the endpoint holds, and ``total_blocks`` the request's full
-blocks.
+Formula: ``score = sum(weight(best tier holding block i) for i < matched_blocks) /
+total_blocks``, where ``matched_blocks`` is the number of consecutive blocks, from block 0, the
+endpoint holds in any tier (GPU, CPU, storage: vLLM's ``medium``), ``weight`` the tier's weight
+(``index.tierWeights``; GPU 1.0, CPU 0.8, storage 0.5 by default, llm-d's GPU and CPU weights)
+and ``total_blocks`` the request's full blocks. With GPU entries only it is
+``matched_blocks / total_blocks``.
 
 Inputs: the precise index (``index:`` section; in-process or Redis, both behind
 :class:`kv_picker.state.kv_index.KVIndex`) fed by the endpoints' KV events (``kvEvents:``
@@ -26,7 +29,7 @@ beyond the speculative holders. A tokenizer error, or an unavailable backend, me
 signal (all scores 0), never a failed request. Building the scorer fails when nothing feeds or
 shares an index (no ``kvEvents`` and a memory backend).
 
-Publishes, for other plugins, each endpoint's matched blocks
+Publishes, for other plugins, each endpoint's matched blocks, in any tier
 (:data:`kv_picker.scheduling.signals.PREFIX_MATCH`) and the exact prompt length
 (:data:`kv_picker.scheduling.signals.PROMPT_TOKENS`). Reports
 ``kv_picker_kv_index_hit_ratio`` on /metrics.
@@ -114,6 +117,7 @@ class PrecisePrefixCacheScorer:
         self.max_blocks = params.maxPrefixBlocksToMatch
         self.max_tokens = self.max_blocks * self.event_keys.block_size_tokens
         self._runs: list[int] = []  # by endpoint id, reused by every request
+        self._weighted: list[float] = []  # likewise: weighted runs
         self.speculative: SpeculativeHolders | None = None
         if params.speculativeTTL > 0:
             ttl_s = params.speculativeTTL
@@ -204,19 +208,21 @@ class PrecisePrefixCacheScorer:
         if not total:
             return
         runs = self._runs
+        weighted = self._weighted
         best = self.index.runs(
             keys,
             mask_of(candidates),
             runs,
             request.state.get(_PREFETCHED_STATE),
             self.speculative,
+            weighted,
         )
         if best:
             for i, endpoint in enumerate(candidates):
                 run = runs[endpoint.id]
                 if run:
                     matched[endpoint.id] = run
-                    out[i] = run / total
+                    out[i] = weighted[endpoint.id] / total
         self.lookups += 1
         self.queried_blocks += total
         self.hit_blocks += best

@@ -69,9 +69,15 @@ def _hash64(value: Any) -> int:
     raise MalformedMessage(f"block hash must be an int or non-empty bytes, got {value!r:.40}")
 
 
+_INT_ONLY = {int}
+
+
 def _hashes(value: Any) -> list[int]:
     if not isinstance(value, list):
         raise MalformedMessage("block_hashes must be a list")
+    # vLLM's default: uint64 ints, kept as decoded (checked in C-speed passes, no copy).
+    if value and set(map(type, value)) == _INT_ONLY and min(value) >= 0 and max(value) <= _U64_MASK:
+        return value
     return [_hash64(v) for v in value]
 
 
@@ -100,8 +106,9 @@ def _decode_event(event: Any) -> KVEvent | None:
         block_size = f.get("block_size")
         if not isinstance(token_ids, list):
             raise MalformedMessage("BlockStored.token_ids must be a list")
-        if type(block_size) is not int or block_size <= 0:
-            raise MalformedMessage("BlockStored.block_size must be a positive int")
+        # 0 in an offloading connector's placeholder events, which carry no tokens either.
+        if type(block_size) is not int or block_size < 0:
+            raise MalformedMessage("BlockStored.block_size must be a non-negative int")
         parent = f.get("parent_block_hash")
         extra_keys = f.get("extra_keys")
         if extra_keys is not None and not isinstance(extra_keys, list):

@@ -49,7 +49,7 @@ from kv_picker.sources.kv_event_decoder import (
     decode_seq,
     parse_topic,
 )
-from kv_picker.state.block_events import BlockRemoved, BlockStored
+from kv_picker.state.block_events import DROP_NOT_HELD, BlockRemoved, BlockStored
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVIndex
 
@@ -76,6 +76,9 @@ class SubscriberSettings:
         bind: address of the SUB socket in bind mode.
         publisher_port: connect mode: ``tcp://<endpoint host>:<port>`` for unlisted endpoints.
         replay_port: replay socket port on the endpoint host, when not listed (None = none).
+        data_parallel_base_port: the serving port of data-parallel rank 0 (None: no ranks).
+            An unlisted endpoint ``host:port`` with ``port > base`` is rank ``port - base``,
+            whose publisher and replay ports vLLM offsets by the rank.
         endpoints: per endpoint address, explicit publisher and replay addresses.
         topic_filter: ZMQ subscription prefix ("" = everything).
         model: model of events whose topic does not name one.
@@ -89,6 +92,7 @@ class SubscriberSettings:
     bind: str = "tcp://0.0.0.0:5557"
     publisher_port: int = 5557
     replay_port: int | None = None
+    data_parallel_base_port: int | None = None
     endpoints: tuple[tuple[str, PublisherAddress], ...] = ()
     topic_filter: str = ""
     model: str = ""
@@ -158,12 +162,18 @@ class KVEventSubscriber:
         explicit = self._explicit.get(address)
         if explicit is not None:
             return explicit
-        host, _ = split_address(address)
+        host, port = split_address(address)
         host = f"[{host}]" if ":" in host else host
-        replay_port = self.settings.replay_port
+        settings = self.settings
+        base = settings.data_parallel_base_port
+        # vLLM gives data-parallel rank r its own publisher at the configured port + r (and
+        # replay socket at the replay port + r); with one serving port per rank, the rank is
+        # the endpoint's port offset from rank 0's.
+        rank = port - base if base is not None and port > base else 0
+        replay_port = settings.replay_port
         return PublisherAddress(
-            f"tcp://{host}:{self.settings.publisher_port}",
-            f"tcp://{host}:{replay_port}" if replay_port else None,
+            f"tcp://{host}:{settings.publisher_port + rank}",
+            f"tcp://{host}:{replay_port + rank}" if replay_port else None,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -421,20 +431,29 @@ class KVEventSubscriber:
             )
         index = self.index
         endpoint_id = endpoint.id
+        # Counted as applied: what the index took (stored events' dropped blocks are counted
+        # by reason where the keys are computed; removals of blocks not held here).
+        stored = removed = not_held = 0
         try:
             for event in batch.events:
                 if type(event) is BlockStored:
-                    index.apply_stored(endpoint_id, event, model)
-                    self._applied["stored"].inc(len(event.block_hashes))
+                    stored += index.apply_stored(endpoint_id, event, model)
                 elif type(event) is BlockRemoved:
-                    index.apply_removed(endpoint_id, event)
-                    self._applied["removed"].inc(len(event.block_hashes))
+                    hit = index.apply_removed(endpoint_id, event)
+                    removed += hit
+                    not_held += len(event.block_hashes) - hit
                 else:
                     index.clear_endpoint(endpoint_id)
                     self._applied["cleared"].inc()
         except Exception:  # a bug in applying one batch must not end the subscriber
             log.exception("applying KV events of %s failed", source.address)
             self._malformed.inc()
+        if stored:
+            self._applied["stored"].inc(stored)
+        if removed:
+            self._applied["removed"].inc(removed)
+        if not_held:
+            self._dropped.labels(DROP_NOT_HELD).inc(not_held)
 
     # -- replay -----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from kv_picker.sources.kv_event_subscriber import (
     PublisherAddress,
     SubscriberSettings,
 )
-from kv_picker.state.block_events import EventKeys
+from kv_picker.state.block_events import EventKeys, Tiers
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVBlockIndex, KVIndex
 from kv_picker.state.redis_index import RedisKVIndex
@@ -47,7 +47,12 @@ def build_kv_index(
         dropped.labels(reason).inc(blocks)
 
     event_keys = EventKeys(
-        settings.block_size_tokens, settings.keys, settings.hash_algo, settings.hash_seed, on_drop
+        settings.block_size_tokens,
+        settings.keys,
+        settings.hash_algo,
+        settings.hash_seed,
+        on_drop,
+        Tiers(settings.tier_weights),
     )
 
     index: KVIndex
@@ -107,6 +112,7 @@ def build_subscriber(
         bind=events.bind,
         publisher_port=events.publisher_port,
         replay_port=events.replay_port,
+        data_parallel_base_port=events.data_parallel_base_port,
         endpoints=tuple(
             (address, PublisherAddress(source.publisher, source.replay))
             for address, source in events.endpoints.items()

@@ -1,4 +1,5 @@
-"""What the precise index consumes: KV-event records, and how a stored event becomes keys.
+"""What the precise index consumes: KV-event records, their tiers, and how a stored event
+becomes keys.
 
 The records are the contract between the event sources and the index. The wire decoder
 (:mod:`kv_picker.sources.kv_event_decoder`) produces them from vLLM's msgpack, whichever of its
@@ -6,32 +7,50 @@ encodings arrives; anything else (a simulator, a test, a benchmark) may build th
 Each backend (in-process :mod:`kv_picker.state.kv_index`, shared
 :mod:`kv_picker.state.redis_index`) applies them the same way::
 
-    BlockStored ──EventKeys.stored_keys──> keys (dropped blocks reported with a reason)
-                                           ──> ledger (engine hash -> key, bounds) + holders
-    BlockRemoved ──ledger (engine hash -> key)──> holders
-    AllBlocksCleared ──> every entry of the endpoint
+    BlockStored ──EventKeys.stored_keys──> (tier, group, keys)   dropped blocks reported with
+                                           ──> ledger (endpoint, tier, group): engine hash -> key
+                                           ──> holders (tier): key -> endpoints
+    BlockRemoved (medium, group_idx) ──ledger (endpoint, tier, group)──> holders (tier)
+    AllBlocksCleared ──> every entry of the endpoint, every tier and group
 
-:class:`EventKeys` is the one front half: our dual keys computed from the event's ``token_ids``
-(or vLLM's own hashes in strict mode; see :mod:`kv_picker.state.block_keys`), and the decision
-of what is not indexed (other media than GPU, non-full-attention groups, multimodal blocks,
-blocks whose parent is unknown), reported as ``kv_picker_kv_events_dropped_total{reason}``.
-The same object computes a request's keys for the scorer, so both sides share one key space.
+Entries are kept per (endpoint, tier, group), so a CPU-tier eviction or a removal in another
+KV-cache group never deletes the GPU full-attention entry of the same block.
+
+:class:`Tiers` maps vLLM's ``medium`` (``GPU``, ``CPU``, ``STORAGE``; none means GPU) to a tier
+and its score weight. :class:`EventKeys` is the one front half: our dual keys computed from the
+event's ``token_ids`` (or vLLM's own hashes in strict mode; see
+:mod:`kv_picker.state.block_keys`), keys of a tier event that carries no tokens resolved through
+the engine-hash map (an offloading connector's placeholder events name a block by hash alone),
+and the decision of what is not indexed (media without a tier, groups that are not full
+attention, multimodal blocks, blocks whose parent is unknown), reported as
+``kv_picker_kv_events_dropped_total{reason}``. The same object computes a request's keys for the
+scorer, so both sides share one key space.
+
+Attention kinds: ``full_attention``, ``mla_attention`` (DeepSeek-style latent attention) and
+``sink_full_attention`` keep every block of the prefix, so they are indexed alike. Sliding
+window, chunked local, Mamba, cross and encoder-only groups keep only some blocks (or none) and
+never extend a prefix: they are not indexed. A group's kind is learned from its stored events;
+an event without a kind takes its group's learned kind, and full attention when none was seen
+(older vLLM sends no kind and one group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv_picker.state.block_keys import VllmBlockHasher
-from kv_picker.state.block_ledger import BlockLedger
 from kv_picker.state.hashing import chain_root, token_keys
+
+if TYPE_CHECKING:
+    from kv_picker.state.block_ledger import BlockLedger
 
 KEY_MODES = ("dual", "strict")
 
 # Why a stored event (or part of it) was not indexed; label values of the dropped-events metric.
 DROP_UNKNOWN_PARENT = "unknown_parent"
+DROP_UNKNOWN_HASH = "unknown_hash"
 DROP_BLOCK_SIZE = "block_size"
 DROP_TOKEN_COUNT = "token_count"
 DROP_EXTRA_KEYS = "extra_keys"
@@ -39,9 +58,78 @@ DROP_MEDIUM = "medium"
 DROP_ATTENTION = "attention_kind"
 DROP_LORA_ID = "lora_id_only"
 DROP_BAD_TOKENS = "bad_token_ids"
+# A removal of a block the index did not hold (never indexed, or already evicted).
+DROP_NOT_HELD = "not_held"
 
-_INDEXED_MEDIA = (None, "GPU", "gpu")
-_INDEXED_KINDS = (None, "full_attention")
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""``kv_cache_spec_kind`` values whose groups keep every block of a prefix."""
+
+MAX_TIERS = 8
+"""Tiers the index can tell apart (the Redis layout gives each endpoint one byte per block)."""
+
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"gpu": 1.0, "cpu": 0.8, "storage": 0.5}
+"""Score weight of a block by the tier holding it: llm-d's GPU 1.0 and CPU 0.8, and storage
+(vLLM's ``STORAGE`` medium: disk or a remote store behind an offloading connector) 0.5."""
+
+_FIXED_TIER_IDS = {"gpu": 0, "cpu": 1, "storage": 2}
+GPU_TIER = 0
+
+
+class Tiers:
+    """The media the index keeps, their tier ids and score weights.
+
+    vLLM's ``medium`` is matched without regard to case; an event without one is GPU's. Ids are
+    fixed for ``gpu`` (0), ``cpu`` (1) and ``storage`` (2); other configured names (say an
+    offloading connector's own medium) take 3 and up in name order, so replicas with the same
+    config number them alike (the Redis layout depends on it). A medium without a weight is not
+    indexed.
+
+    Args:
+        weights: tier name -> weight in (0, 1]; must name ``gpu``.
+
+    Raises:
+        ValueError: no ``gpu`` weight, a weight outside (0, 1], a name given twice (ignoring
+            case), or more than :data:`MAX_TIERS` tiers.
+    """
+
+    __slots__ = ("_ids", "names", "weights")
+
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        given = DEFAULT_TIER_WEIGHTS if weights is None else weights
+        normalized: dict[str, float] = {}
+        for name, weight in given.items():
+            lowered = name.lower()
+            if lowered in normalized:
+                raise ValueError(f"tier {name!r} is given twice")
+            if not 0 < weight <= 1:
+                raise ValueError(f"tier {name!r}: weight must be in (0, 1], got {weight}")
+            normalized[lowered] = float(weight)
+        if "gpu" not in normalized:
+            raise ValueError("the gpu tier needs a weight (events without a medium are GPU's)")
+        ids = {name: _FIXED_TIER_IDS[name] for name in normalized if name in _FIXED_TIER_IDS}
+        next_id = len(_FIXED_TIER_IDS)
+        for name in sorted(n for n in normalized if n not in _FIXED_TIER_IDS):
+            ids[name] = next_id
+            next_id += 1
+        if max(ids.values()) >= MAX_TIERS:
+            raise ValueError(f"at most {MAX_TIERS} tiers (gpu, cpu, storage and 5 more)")
+        size = max(ids.values()) + 1
+        self.names: tuple[str | None, ...] = tuple(
+            next((n for n, i in ids.items() if i == t), None) for t in range(size)
+        )
+        self.weights: tuple[float, ...] = tuple(normalized.get(n or "", 0.0) for n in self.names)
+        self._ids: dict[str | None, int] = {None: GPU_TIER}
+        self._ids.update(ids)
+
+    def id_of(self, medium: str | None) -> int | None:
+        """The tier of a ``medium`` (None: not indexed)."""
+        tier = self._ids.get(medium)
+        if tier is None and medium is not None:
+            tier = self._ids.get(medium.lower())
+        return tier
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 @dataclass(slots=True)
@@ -77,6 +165,11 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+StoredBlocks = tuple[int, int, list[int], list[int]]
+"""What of a ``BlockStored`` the index records: (tier, group, engine hashes, keys), the keys
+aligned with the first ``len(keys)`` hashes."""
+
+
 class EventKeys:
     """From a ``BlockStored`` event (and from a request's tokens) to the keys the index records.
 
@@ -86,9 +179,10 @@ class EventKeys:
         hash_algo: strict mode's ``--prefix-caching-hash-algo``.
         hash_seed: strict mode's ``PYTHONHASHSEED``.
         on_drop: called with (reason, blocks) when a stored event is not (fully) indexed.
+        tiers: the media indexed and their weights (default :data:`DEFAULT_TIER_WEIGHTS`).
     """
 
-    __slots__ = ("_on_drop", "block_size_tokens", "key_mode", "strict_hasher")
+    __slots__ = ("_on_drop", "block_size_tokens", "key_mode", "strict_hasher", "tiers")
 
     def __init__(
         self,
@@ -97,6 +191,7 @@ class EventKeys:
         hash_algo: str = "sha256",
         hash_seed: str = "0",
         on_drop: Callable[[str, int], None] | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         if block_size_tokens <= 0:
             raise ValueError(f"block_size_tokens must be positive, got {block_size_tokens}")
@@ -110,6 +205,7 @@ class EventKeys:
             else None
         )
         self._on_drop = on_drop
+        self.tiers = tiers if tiers is not None else Tiers()
 
     def request_keys(
         self,
@@ -129,38 +225,78 @@ class EventKeys:
         root = chain_root(model, lora_name, cache_salt)
         return token_keys(token_ids, root, self.block_size_tokens, max_blocks)
 
+    def drop(self, reason: str, blocks: int) -> None:
+        """Report blocks not indexed (or removals of blocks not held)."""
+        if blocks and self._on_drop is not None:
+            self._on_drop(reason, blocks)
+
     def stored_keys(
         self, ledger: BlockLedger, endpoint_id: int, event: BlockStored, model: str
-    ) -> list[int]:
-        """Keys for the leading blocks of a stored event that can be indexed.
+    ) -> StoredBlocks | None:
+        """Where and under which keys a stored event's blocks are indexed.
 
         What cannot be indexed is reported to ``on_drop`` with its reason.
 
         Args:
-            ledger: the backend's ledger, to resolve the event's parent hash.
+            ledger: the backend's ledger: it resolves the event's parent hash (and the hashes
+                of an event without tokens), and knows the kinds of the endpoint's groups.
             endpoint_id: the endpoint that stored the blocks.
             event: the decoded event.
             model: the model the endpoint's events belong to (from the topic or the config).
 
         Returns:
-            Keys aligned with ``event.block_hashes[:len(keys)]``.
+            (tier, group, engine hashes, keys), or None when nothing is indexed.
         """
-        keys, reason = self._stored_keys(ledger, endpoint_id, event, model)
-        if reason and self._on_drop is not None:
-            self._on_drop(reason, len(event.block_hashes) - len(keys))
-        return keys
-
-    def _stored_keys(
-        self, ledger: BlockLedger, endpoint_id: int, event: BlockStored, model: str
-    ) -> tuple[list[int], str]:
-        if event.medium not in _INDEXED_MEDIA:
-            return [], DROP_MEDIUM
-        if event.kv_cache_spec_kind not in _INDEXED_KINDS:
-            return [], DROP_ATTENTION
-        engine_hashes = event.block_hashes
+        num_blocks = len(event.block_hashes)
+        tier = self.tiers.id_of(event.medium)
+        if tier is None:
+            self.drop(DROP_MEDIUM, num_blocks)
+            return None
+        group = event.group_idx or 0
+        kind = event.kv_cache_spec_kind
+        if kind is None:
+            full = ledger.group_is_full(endpoint_id, group)
+        else:
+            full = kind in FULL_ATTENTION_KINDS
+            ledger.learn_group(endpoint_id, group, full)
+        if not full:
+            self.drop(DROP_ATTENTION, num_blocks)
+            return None
         if self.strict_hasher is not None:
             # vLLM's hashes are the keys: no tokens needed, nothing to resolve.
-            return list(engine_hashes), ""
+            hashes = event.block_hashes
+            return tier, group, hashes, hashes
+        if not event.token_ids and num_blocks:
+            return self._resolved(ledger, endpoint_id, tier, group, event)
+        keys, reason = self._keys_from_tokens(ledger, endpoint_id, tier, group, event, model)
+        if reason:
+            self.drop(reason, num_blocks - len(keys))
+        return (tier, group, event.block_hashes, keys) if keys else None
+
+    def _resolved(
+        self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, event: BlockStored
+    ) -> StoredBlocks | None:
+        """A tier event without tokens: blocks the endpoint already indexed, by engine hash."""
+        hashes: list[int] = []
+        keys: list[int] = []
+        for engine_hash in event.block_hashes:
+            key = ledger.resolve(endpoint_id, tier, group, engine_hash)
+            if key is not None:
+                hashes.append(engine_hash)
+                keys.append(key)
+        self.drop(DROP_UNKNOWN_HASH, len(event.block_hashes) - len(keys))
+        return (tier, group, hashes, keys) if keys else None
+
+    def _keys_from_tokens(
+        self,
+        ledger: BlockLedger,
+        endpoint_id: int,
+        tier: int,
+        group: int,
+        event: BlockStored,
+        model: str,
+    ) -> tuple[list[int], str]:
+        engine_hashes = event.block_hashes
         lora_name = event.lora_name
         if event.lora_id is not None and not lora_name:
             return [], DROP_LORA_ID  # an adapter we cannot name would look like the base model
@@ -199,7 +335,7 @@ class EventKeys:
         if parent_hash is None:
             parent = chain_root(model, lora_name, salt)
         else:
-            resolved = ledger.get(endpoint_id, parent_hash)
+            resolved = ledger.resolve(endpoint_id, tier, group, parent_hash)
             if resolved is None:
                 return [], DROP_UNKNOWN_PARENT
             parent = resolved

@@ -16,17 +16,19 @@ path stays synchronous, so a lookup is two steps::
                                                  speculative) -> best run
                                               writes each candidate's run by endpoint id
 
-Both backends share the front half of applying events (records and keys:
-:mod:`kv_picker.state.block_events`; engine hash -> key and the bounds:
-:mod:`kv_picker.state.block_ledger`). The in-process index adds the lookup side::
+Both backends share the front half of applying events (records, tiers and keys:
+:mod:`kv_picker.state.block_events`; engine hash -> key per (endpoint, tier, group) and the
+bounds: :mod:`kv_picker.state.block_ledger`). The in-process index adds the lookup side::
 
-    holders:  key -> int bitset of endpoint ids           (bit e set: endpoint e holds the block)
-    ledger:   [endpoint id] engine hash -> key, LRU-bounded per endpoint and in total
+    holders:  [tier] key -> int bitset of endpoint ids   (bit e set: endpoint e holds the block
+                                                           in that tier, in some group)
+    ledger:   [endpoint id, tier] (group, engine hash) -> key, LRU-bounded
 
-A lookup is the picker's one leading-run walk over ``holders``
-(:func:`kv_picker.state.prefix_runs.leading_runs`): O(blocks + endpoints) with no allocation
-beyond int operations. Updates happen in place on the event loop thread, so the synchronous
-scoring path never sees a half-applied event.
+A lookup is the picker's leading-run walk over the tiers' holders
+(:func:`kv_picker.state.prefix_runs.tiered_runs`): a block counts for an endpoint when any tier
+holds it, and weighs its best tier's weight. With only GPU entries it is the one-tier walk,
+O(blocks + endpoints) with no allocation beyond int operations. Updates happen in place on the
+event loop thread, so the synchronous scoring path never sees a half-applied event.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from typing import Protocol
 
 from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
 from kv_picker.state.block_ledger import BlockLedger
-from kv_picker.state.prefix_runs import leading_runs
+from kv_picker.state.prefix_runs import leading_runs, tiered_runs
 
-Prefetched = Mapping[str, int]
+Prefetched = Mapping[str, tuple[int, float]]
 """What :meth:`KVIndex.prefetch` fetched for one request, handed back to :meth:`KVIndex.runs`
-as is (the Redis backend's: each endpoint's run, by address)."""
+as is (the Redis backend's: each endpoint's run and weighted run, by address)."""
 
 
 class KVIndex(Protocol):
@@ -60,7 +62,7 @@ class KVIndex(Protocol):
         ...
 
     def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
-        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
+        """Apply a ``BlockRemoved`` of its (medium, group); returns the entries it hit."""
         ...
 
     def clear_endpoint(self, endpoint_id: int) -> int:
@@ -90,8 +92,11 @@ class KVIndex(Protocol):
         runs_out: list[int],
         prefetched: Prefetched | None = None,
         speculative: SpeculativeHolders | None = None,
+        weighted_out: list[float] | None = None,
     ) -> int:
         """Each candidate's leading run, synchronously.
+
+        A block counts when any tier of the endpoint holds it.
 
         Args:
             keys: the request's block keys, in order.
@@ -99,7 +104,9 @@ class KVIndex(Protocol):
             runs_out: indexed by endpoint id: receives each candidate's run (0 when it lacks
                 block 0); other entries are left alone; grown to cover every candidate.
             prefetched: what the awaitable of :meth:`prefetch` gave for these keys, if any.
-            speculative: blocks endpoints were just sent, counted as held.
+            speculative: blocks endpoints were just sent, counted as held (in the GPU tier).
+            weighted_out: like ``runs_out``, receives each candidate's weighted run: the sum
+                over its run's blocks of the weight of the best tier holding each.
 
         Returns:
             The longest run of any candidate.
@@ -136,8 +143,8 @@ class KVBlockIndex:
 
     Args:
         event_keys: key computation shared with the scorer (and where drops are reported).
-        default_capacity_blocks: per-endpoint bound when its KV capacity is not scraped.
-        max_blocks: bound on (endpoint, block) entries in total.
+        default_capacity_blocks: per-(endpoint, tier) bound when the KV capacity is not scraped.
+        max_blocks: bound on (endpoint, tier, group, block) entries in total.
         capacity_source: per endpoint id, its ``num_gpu_blocks`` (0 = unknown).
     """
 
@@ -149,7 +156,9 @@ class KVBlockIndex:
         capacity_source: Sequence[int] | None = None,
     ) -> None:
         self.event_keys = event_keys
-        self._holders: dict[int, int] = {}
+        self.tier_weights = event_keys.tiers.weights
+        self._holders: list[dict[int, int]] = [{} for _ in self.tier_weights]
+        self._scratch: list[float] = []
         self.ledger = BlockLedger(
             default_capacity_blocks, max_blocks, capacity_source, self._drop_holder
         )
@@ -158,46 +167,45 @@ class KVBlockIndex:
 
     def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
         """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
-        engine_hashes = event.block_hashes
-        keys = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
-        if not keys:
+        stored = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
+        if stored is None:
             return 0
-        bit = 1 << endpoint_id
-        holders = self._holders
+        tier, group, engine_hashes, keys = stored
         ledger = self.ledger
-        for engine_hash, key in zip(engine_hashes, keys, strict=False):
-            replaced = ledger.add(endpoint_id, engine_hash, key)
-            if replaced is not None:
-                self._drop_holder(endpoint_id, replaced)
+        ledger.store(endpoint_id, tier, group, engine_hashes, keys)
+        bit = 1 << endpoint_id
+        holders = self._holders[tier]
+        for key in keys:
             holders[key] = holders.get(key, 0) | bit
-        ledger.trim(endpoint_id)
+        ledger.trim(endpoint_id, tier)
         return len(keys)
 
     def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
-        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
-        removed = 0
-        ledger = self.ledger
-        for engine_hash in event.block_hashes:
-            key = ledger.pop(endpoint_id, engine_hash)
-            if key is not None:
-                self._drop_holder(endpoint_id, key)
-                removed += 1
-        return removed
+        """Apply a ``BlockRemoved`` of its (medium, group); returns the entries it hit."""
+        tier = self.event_keys.tiers.id_of(event.medium)
+        if tier is None:
+            return 0
+        return self.ledger.remove(endpoint_id, tier, event.group_idx or 0, event.block_hashes)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
-        """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
-        keys = self.ledger.clear(endpoint_id)
-        for key in keys:
-            self._drop_holder(endpoint_id, key)
-        return len(keys)
+        """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped.
+
+        Every tier and group: the event names none, and a lost stream leaves all of them unknown.
+        """
+        before = self.ledger.size
+        for tier, keys in self.ledger.clear(endpoint_id):
+            for key in keys:
+                self._drop_holder(endpoint_id, tier, key)
+        return before - self.ledger.size
 
     def remove_endpoint(self, endpoint_id: int) -> None:
         """The endpoint left the pool: forget it (its id may be reused)."""
-        for key in self.ledger.clear(endpoint_id, forget=True):
-            self._drop_holder(endpoint_id, key)
+        for tier, keys in self.ledger.clear(endpoint_id, forget=True):
+            for key in keys:
+                self._drop_holder(endpoint_id, tier, key)
 
-    def _drop_holder(self, endpoint_id: int, key: int) -> None:
-        holders = self._holders
+    def _drop_holder(self, endpoint_id: int, tier: int, key: int) -> None:
+        holders = self._holders[tier]
         remaining = holders.get(key, 0) & ~(1 << endpoint_id)
         if remaining:
             holders[key] = remaining
@@ -217,10 +225,18 @@ class KVBlockIndex:
         runs_out: list[int],
         prefetched: Prefetched | None = None,
         speculative: SpeculativeHolders | None = None,
+        weighted_out: list[float] | None = None,
     ) -> int:
         """Each candidate's leading run (see :meth:`KVIndex.runs`)."""
         overlay = speculative.maps() if speculative is not None else None
-        return leading_runs(keys, candidate_mask, runs_out, self._holders, overlay)
+        if weighted_out is None:
+            holders = self._holders
+            if not any(holders[1:]):
+                return leading_runs(keys, candidate_mask, runs_out, holders[0], overlay)
+            weighted_out = self._scratch  # the caller wants runs only
+        return tiered_runs(
+            keys, candidate_mask, runs_out, weighted_out, self._holders, self.tier_weights, overlay
+        )
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -229,8 +245,11 @@ class KVBlockIndex:
         return self.ledger.size
 
     def num_keys(self) -> int:
-        """Distinct keys held by at least one endpoint."""
-        return len(self._holders)
+        """Distinct keys held by at least one endpoint (in any tier)."""
+        holders = self._holders
+        if len(holders) == 1 or not any(holders[1:]):
+            return len(holders[0])
+        return len(set().union(*holders))
 
     def num_evicted_blocks(self) -> int:
         """Entries evicted to respect the bounds since start."""

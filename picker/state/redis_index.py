@@ -19,20 +19,24 @@ Layout (``prefix`` = ``index.keyPrefix``; block keys are our 64-bit keys in hex)
 
     {prefix}:slot           HASH endpoint address -> slot number, shared by every replica
     {prefix}:next-slot      counter handing out slots
-    {prefix}:b:<key>        STRING bitmap of the slots holding the block (SETBIT/GETBIT order)
-    {prefix}:e:<address>    SET of the endpoint's block keys (to clear it in one call)
+    {prefix}:blk:<key>      STRING, one byte per slot: bit 7 - t set when tier t of the slot's
+                            endpoint holds the block (SETBIT offset slot * 8 + t)
+    {prefix}:ep:<address>   SET of the endpoint's "<key><tier>" members (to clear it in one call)
     {prefix}:epoch          a token written once; when it changes or vanishes, Redis lost
                             its data and every writer resyncs what it knows
 
-Lookup is one ``EVALSHA`` (``_LOOKUP``): walk the request's keys in order, ANDing the holders'
-bitmaps, stop when no slot is left, return each slot's run. Consecutive blocks of a prefix are
-almost always held by the same endpoints, so their bitmaps are the same bytes: the script
-compares each block's bitmap with the previous one and only does bit work when they differ,
-which makes a lookup one ``GET`` per block (a set-per-block layout costs a membership probe
-per block and holder, about 50x more at 256 endpoints). Writes are batched: events apply to a
-local :class:`BlockLedger` at once (it resolves engine hashes to keys and enforces the bounds,
-exactly as in-process), and the resulting bit operations are pipelined to Redis every few
-milliseconds.
+Lookup is one ``EVALSHA`` (``_LOOKUP``, the tier weights passed in thousandths): walk the
+request's keys in order, keep the slots whose byte is not zero, stop when no slot is left,
+return each slot's run and weighted run (each block weighs its best tier's weight). Consecutive
+blocks of a prefix are almost always held by the same endpoints in the same tiers, so their
+bitmaps are the same bytes: the script compares each block's bitmap with the previous one and
+only does per-slot work when they differ, which makes a lookup one ``GET`` per block (a
+set-per-block layout costs a membership probe per block and holder, about 50x more at 256
+endpoints). Writes are batched: events apply to a local :class:`BlockLedger` at once (it
+resolves engine hashes to keys, keeps entries per (endpoint, tier, group) and enforces the
+bounds, exactly as in-process), and the resulting bit operations are pipelined to Redis every
+few milliseconds. Replicas must agree on the tiers (``index.tierWeights``' names); the weights
+are each replica's own.
 
 Outage: a failed call marks the backend unavailable, counts a backend error, and for
 ``retry_s`` every lookup returns "no cache signal" at once (requests still route, on the other
@@ -65,73 +69,85 @@ from kv_picker.state.prefix_runs import leading_runs
 log = logging.getLogger(__name__)
 
 _LOOKUP = """
+local weights = {}
+for t = 1, #ARGV do weights[t] = tonumber(ARGV[t]) end
+local best = {}
+local function weight_of(b)
+  local w = best[b]
+  if w == nil then
+    w = 0
+    for t = 1, #weights do
+      if bit.band(b, bit.rshift(128, t - 1)) ~= 0 and weights[t] > w then w = weights[t] end
+    end
+    best[b] = w
+  end
+  return w
+end
 local first = redis.call('GET', KEYS[1])
 local out = {}
 if not first then return out end
-local alive = {string.byte(first, 1, -1)}
-local n = #alive
-local function emit(bytes, run)
-  for j = 1, n do
-    local v = bytes[j]
-    if v ~= 0 then
-      for k = 0, 7 do
-        if bit.band(v, bit.lshift(1, 7 - k)) ~= 0 then
-          out[#out + 1] = (j - 1) * 8 + k
-          out[#out + 1] = run
-        end
-      end
-    end
-  end
+local cur = {string.byte(first, 1, -1)}
+local alive = {}
+local score = {}
+local left = 0
+for j = 1, #cur do
+  if cur[j] ~= 0 then alive[j] = true; score[j] = 0; left = left + 1 end
+end
+if left == 0 then return out end
+local since = 0
+local function settle(upto)
+  for j in pairs(alive) do score[j] = score[j] + weight_of(cur[j]) * (upto - since) end
+  since = upto
 end
 local prev = first
 for i = 2, #KEYS do
   local raw = redis.call('GET', KEYS[i])
   if raw ~= prev then
     prev = raw
-    local dropped = {}
-    local changed = false
-    local remaining = false
-    for j = 1, n do
-      local a = alive[j]
-      local d = 0
-      if a ~= 0 then
-        local b = 0
-        if raw then b = string.byte(raw, j) or 0 end
-        local kept = bit.band(a, b)
-        if kept ~= a then
-          d = bit.band(a, 255 - b)
-          alive[j] = kept
-          changed = true
-        end
-        if kept ~= 0 then remaining = true end
+    settle(i - 1)
+    for j in pairs(alive) do
+      local b = 0
+      if raw then b = string.byte(raw, j) or 0 end
+      if b == 0 then
+        alive[j] = nil
+        left = left - 1
+        out[#out + 1] = j - 1
+        out[#out + 1] = i - 1
+        out[#out + 1] = score[j]
+      else
+        cur[j] = b
       end
-      dropped[j] = d
     end
-    if changed then emit(dropped, i - 1) end
-    if not remaining then return out end
+    if left == 0 then return out end
   end
 end
-emit(alive, #KEYS)
+settle(#KEYS)
+for j in pairs(alive) do
+  out[#out + 1] = j - 1
+  out[#out + 1] = #KEYS
+  out[#out + 1] = score[j]
+end
 return out
 """
 
-# KEYS: block bitmaps; ARGV[1]: the endpoint's slot. Empty bitmaps are deleted.
+# KEYS: block bitmaps; ARGV[1]: the bit of the endpoint's slot and tier. Empty bitmaps are
+# deleted.
 _UNSET = """
-local slot = tonumber(ARGV[1])
+local offset = tonumber(ARGV[1])
 for _, key in ipairs(KEYS) do
-  redis.call('SETBIT', key, slot, 0)
+  redis.call('SETBIT', key, offset, 0)
   if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
 end
 return #KEYS
 """
 
-# KEYS[1]: the endpoint's key set; ARGV: slot, bitmap key prefix.
+# KEYS[1]: the endpoint's key set; ARGV: slot, bitmap key prefix. Members are "<key><tier>".
 _CLEAR = """
 local slot = tonumber(ARGV[1])
 local members = redis.call('SMEMBERS', KEYS[1])
 for _, member in ipairs(members) do
-  local key = ARGV[2] .. member
-  redis.call('SETBIT', key, slot, 0)
+  local key = ARGV[2] .. string.sub(member, 1, 16)
+  redis.call('SETBIT', key, slot * 8 + tonumber(string.sub(member, 17)), 0)
   if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
 end
 redis.call('DEL', KEYS[1])
@@ -195,7 +211,7 @@ class RedisKVIndex:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.ledger = BlockLedger(
-            default_capacity_blocks, max_blocks, capacity_source, self._evicted
+            default_capacity_blocks, max_blocks, capacity_source, self._unheld
         )
         self._errors = (
             {op: metrics.kv_index_backend_errors.labels(op) for op in ("lookup", "write")}
@@ -207,7 +223,10 @@ class RedisKVIndex:
         # Slots are Redis's endpoint numbering, shared by all replicas; cached both ways.
         self._slots: dict[str, int] = {}
         self._slot_addresses: dict[int, str] = {}
-        self._ops: list[tuple[int, str, list[int]]] = []
+        self._ops: list[tuple[int, str, int, list[int]]] = []  # (op, address, tier, keys)
+        # Lookup arguments: each tier's weight in thousandths (Lua returns integers).
+        self._weight_args = [round(w * 1000) for w in event_keys.tiers.weights]
+        self._gpu_weight = event_keys.tiers.weights[0]
         self._flushing = False
         self._known_addresses: dict[int, str] = {}
         self._wake = asyncio.Event()
@@ -326,16 +345,20 @@ class RedisKVIndex:
     async def _resync(self, client: Redis, address: str) -> None:
         slot = await self._slot(client, address)
         await self._scripts["clear"](
-            keys=[f"{self.prefix}:e:{address}"], args=[slot, f"{self.prefix}:b:"], client=client
+            keys=[self._endpoint_key(address)], args=[slot, self._block_prefix], client=client
         )
         endpoint_id = self._id_of(address)
         if endpoint_id is None:
             return
-        keys = list(self.ledger.keys(endpoint_id))
-        for start in range(0, len(keys), _RESYNC_CHUNK):
-            pipe = client.pipeline(transaction=False)
-            self._queue_add(pipe, address, slot, keys[start : start + _RESYNC_CHUNK])
-            await pipe.execute()
+        by_tier: dict[int, set[int]] = {}
+        for tier, key in self.ledger.held(endpoint_id):
+            by_tier.setdefault(tier, set()).add(key)
+        for tier, held in by_tier.items():
+            keys = list(held)
+            for start in range(0, len(keys), _RESYNC_CHUNK):
+                pipe = client.pipeline(transaction=False)
+                self._queue_add(pipe, address, slot, tier, keys[start : start + _RESYNC_CHUNK])
+                await pipe.execute()
 
     def _id_of(self, address: str) -> int | None:
         for endpoint_id in self.ledger.endpoint_ids():
@@ -345,7 +368,7 @@ class RedisKVIndex:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def _queue(self, op: int, endpoint_id: int, keys: list[int]) -> None:
+    def _queue(self, op: int, endpoint_id: int, tier: int, keys: list[int]) -> None:
         address = self._address_of(endpoint_id)
         if address is None:
             # The store forgets an endpoint before telling us it left: use what we saw.
@@ -357,23 +380,31 @@ class RedisKVIndex:
         if len(self._ops) >= _MAX_QUEUED_OPS:
             self._dirty.add(address)
             return
-        self._ops.append((op, address, keys))
+        self._ops.append((op, address, tier, keys))
         self._wake.set()
 
     def _drop_queue(self) -> None:
-        for _, address, _ in self._ops:
+        for _, address, _, _ in self._ops:
             self._dirty.add(address)
         self._ops.clear()
 
-    def _key(self, key: int) -> str:
-        return f"{self.prefix}:b:{key:016x}"
+    @property
+    def _block_prefix(self) -> str:
+        return f"{self.prefix}:blk:"
 
-    def _queue_add(self, pipe: Any, address: str, slot: int, keys: list[int]) -> None:
+    def _key(self, key: int) -> str:
+        return f"{self.prefix}:blk:{key:016x}"
+
+    def _endpoint_key(self, address: str) -> str:
+        return f"{self.prefix}:ep:{address}"
+
+    def _queue_add(self, pipe: Any, address: str, slot: int, tier: int, keys: list[int]) -> None:
         if not keys:
             return
+        offset = slot * 8 + tier
         for key in keys:
-            pipe.setbit(self._key(key), slot, 1)
-        pipe.sadd(f"{self.prefix}:e:{address}", *(f"{key:016x}" for key in keys))
+            pipe.setbit(self._key(key), offset, 1)
+        pipe.sadd(self._endpoint_key(address), *(f"{key:016x}{tier}" for key in keys))
 
     async def drain(self, timeout_s: float = 10.0) -> None:
         """Wait until every write queued so far has been sent (or dropped by an outage)."""
@@ -391,31 +422,33 @@ class RedisKVIndex:
         finally:
             self._flushing = False
 
-    async def _send(self, ops: list[tuple[int, str, list[int]]]) -> None:
+    async def _send(self, ops: list[tuple[int, str, int, list[int]]]) -> None:
         client = self._connect()
         prefix = self.prefix
         try:
-            slots = {address: await self._slot(client, address) for _, address, _ in ops}
+            slots = {address: await self._slot(client, address) for _, address, _, _ in ops}
             pipe = client.pipeline(transaction=False)
             pipe.get(f"{prefix}:epoch")
-            for op, address, keys in ops:
+            for op, address, tier, keys in ops:
                 slot = slots[address]
                 if op == _ADD:
-                    self._queue_add(pipe, address, slot, keys)
+                    self._queue_add(pipe, address, slot, tier, keys)
                     continue
                 # Scripts are queued on the pipeline (the await only stages the call).
                 if op == _REMOVE:
                     await self._scripts["unset"](
-                        keys=[self._key(key) for key in keys], args=[slot], client=pipe
+                        keys=[self._key(key) for key in keys], args=[slot * 8 + tier], client=pipe
                     )
-                    pipe.srem(f"{prefix}:e:{address}", *(f"{key:016x}" for key in keys))
+                    pipe.srem(self._endpoint_key(address), *(f"{key:016x}{tier}" for key in keys))
                 else:
                     await self._scripts["clear"](
-                        keys=[f"{prefix}:e:{address}"], args=[slot, f"{prefix}:b:"], client=pipe
+                        keys=[self._endpoint_key(address)],
+                        args=[slot, self._block_prefix],
+                        client=pipe,
                     )
             results = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
-            for _, address, _ in ops:
+            for _, address, _, _ in ops:
                 self._dirty.add(address)
             self._failed("write", exc)
             return
@@ -426,44 +459,48 @@ class RedisKVIndex:
 
     def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
         """Apply a ``BlockStored`` of ``model``'s blocks; returns the number of blocks indexed."""
-        engine_hashes = event.block_hashes
-        keys = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
-        if not keys:
+        stored = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)
+        if stored is None:
             return 0
-        ledger = self.ledger
-        for engine_hash, key in zip(engine_hashes, keys, strict=False):
-            replaced = ledger.add(endpoint_id, engine_hash, key)
-            if replaced is not None:
-                self._queue(_REMOVE, endpoint_id, [replaced])
-        self._queue(_ADD, endpoint_id, keys)
-        ledger.trim(endpoint_id)
+        tier, group, engine_hashes, keys = stored
+        self.ledger.store(endpoint_id, tier, group, engine_hashes, keys)
+        self._queue(_ADD, endpoint_id, tier, keys)
+        self.ledger.trim(endpoint_id, tier)
         return len(keys)
 
     def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
-        """Apply a ``BlockRemoved``; returns the number of blocks that were indexed."""
-        keys = []
-        for engine_hash in event.block_hashes:
-            key = self.ledger.pop(endpoint_id, engine_hash)
-            if key is not None:
-                keys.append(key)
-        if keys:
-            self._queue(_REMOVE, endpoint_id, keys)
-        return len(keys)
+        """Apply a ``BlockRemoved`` of its (medium, group); returns the entries it hit."""
+        tier = self.event_keys.tiers.id_of(event.medium)
+        if tier is None:
+            return 0
+        return self.ledger.remove(endpoint_id, tier, event.group_idx or 0, event.block_hashes)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
         """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
-        dropped = len(self.ledger.clear(endpoint_id))
-        self._queue(_CLEAR_ALL, endpoint_id, [])
-        return dropped
+        before = self.ledger.size
+        self.ledger.clear(endpoint_id)
+        self._queue(_CLEAR_ALL, endpoint_id, 0, [])
+        return before - self.ledger.size
 
     def remove_endpoint(self, endpoint_id: int) -> None:
         """The endpoint left the pool: clear it in Redis too (its id may be reused)."""
         self.ledger.clear(endpoint_id, forget=True)
-        self._queue(_CLEAR_ALL, endpoint_id, [])
+        self._queue(_CLEAR_ALL, endpoint_id, 0, [])
         self._known_addresses.pop(endpoint_id, None)
 
-    def _evicted(self, endpoint_id: int, key: int) -> None:
-        self._queue(_REMOVE, endpoint_id, [key])
+    def _unheld(self, endpoint_id: int, tier: int, key: int) -> None:
+        # Consecutive removals of one (endpoint, tier) share one queued operation.
+        ops = self._ops
+        if ops:
+            op, address, last_tier, keys = ops[-1]
+            if (
+                op == _REMOVE
+                and last_tier == tier
+                and address == self._known_addresses.get(endpoint_id)
+            ):
+                keys.append(key)
+                return
+        self._queue(_REMOVE, endpoint_id, tier, [key])
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -481,7 +518,9 @@ class RedisKVIndex:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def prefetch(self, keys: Sequence[int]) -> Coroutine[None, None, dict[str, int] | None] | None:
+    def prefetch(
+        self, keys: Sequence[int]
+    ) -> Coroutine[None, None, dict[str, tuple[int, float]] | None] | None:
         """The lookup of ``keys`` to await before the schedule; None when it would give nothing.
 
         None without keys, and while Redis is unavailable (no coroutine for a lookup that
@@ -498,33 +537,48 @@ class RedisKVIndex:
         runs_out: list[int],
         prefetched: Prefetched | None = None,
         speculative: SpeculativeHolders | None = None,
+        weighted_out: list[float] | None = None,
     ) -> int:
         """Each candidate's leading run: the longer of Redis's (prefetched) and the speculative.
 
         See :meth:`kv_picker.state.kv_index.KVIndex.runs`. Without ``prefetched`` (no prepare
-        step ran, or Redis was unavailable) only the speculative holders count.
+        step ran, or Redis was unavailable) only the speculative holders count. The weighted
+        run is the larger of Redis's and the speculative run's (GPU-weighted); a mix of both
+        within one run is not added up.
         """
         overlay = speculative.maps() if speculative is not None else None
         # Writes every candidate's speculative run (0 without an overlay) and sizes the buffer.
         best = leading_runs(keys, candidate_mask, runs_out, _NOTHING_HELD, overlay)
-        if not prefetched:
-            return best
+        if weighted_out is not None:
+            short = candidate_mask.bit_length() - len(weighted_out)
+            if short > 0:
+                weighted_out.extend([0.0] * short)
+            gpu_weight = self._gpu_weight
         address_of = self._address_of
         mask = candidate_mask
         while mask:
             low = mask & -mask
             mask ^= low
             endpoint_id = low.bit_length() - 1
-            address = address_of(endpoint_id)
-            run = prefetched.get(address, 0) if address is not None else 0
-            if run > runs_out[endpoint_id]:
-                runs_out[endpoint_id] = run
-                if run > best:
-                    best = run
+            run = runs_out[endpoint_id]
+            weighted = run * gpu_weight if weighted_out is not None else 0.0
+            if prefetched:
+                address = address_of(endpoint_id)
+                found = prefetched.get(address) if address is not None else None
+                if found is not None:
+                    if found[0] > run:
+                        run = runs_out[endpoint_id] = found[0]
+                        if run > best:
+                            best = run
+                    if found[1] > weighted:
+                        weighted = found[1]
+            if weighted_out is not None:
+                weighted_out[endpoint_id] = weighted
         return best
 
-    async def lookup(self, keys: Sequence[int]) -> dict[str, int] | None:
-        """Each endpoint's leading run for ``keys``, by address; None when Redis is unavailable.
+    async def lookup(self, keys: Sequence[int]) -> dict[str, tuple[int, float]] | None:
+        """Each endpoint's (leading run, weighted run) for ``keys``, by address; None when
+        Redis is unavailable.
 
         Endpoints that hold none of block 0 are absent. Never raises.
         """
@@ -536,9 +590,11 @@ class RedisKVIndex:
         try:
             client = self._connect()
             async with asyncio.timeout(self.timeout_s):
-                flat = await self._scripts["lookup"](keys=[self._key(k) for k in keys])
+                flat = await self._scripts["lookup"](
+                    keys=[self._key(k) for k in keys], args=self._weight_args
+                )
                 addresses = self._slot_addresses
-                if any(flat[i] not in addresses for i in range(0, len(flat), 2)):
+                if any(flat[i] not in addresses for i in range(0, len(flat), 3)):
                     # An endpoint another replica numbered: learn the numbering (rare).
                     table = await client.hgetall(f"{self.prefix}:slot")
                     for raw_address, slot in table.items():
@@ -553,7 +609,7 @@ class RedisKVIndex:
             self._wake.set()  # the writer task probes and resyncs
             return None
         return {
-            addresses[flat[i]]: int(flat[i + 1])
-            for i in range(0, len(flat), 2)
+            addresses[flat[i]]: (int(flat[i + 1]), flat[i + 2] / 1000)
+            for i in range(0, len(flat), 3)
             if flat[i] in addresses
         }

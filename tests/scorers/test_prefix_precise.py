@@ -33,7 +33,7 @@ from kv_picker.scorers.precise_prefix_cache import (
     PrecisePrefixCacheScorer,
 )
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
-from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys, Tiers
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.tokenization import PromptTokenizer, TokenizerError
@@ -111,6 +111,44 @@ def test_scores_are_matched_leading_blocks_over_request_blocks() -> None:
     scorer.on_pick(request, result)
     assert index.num_blocks() == before
     assert scorer.hit_blocks == total + 3 + 4
+
+
+def test_blocks_in_other_tiers_count_with_their_weight() -> None:
+    """llm-d's weights: a block offloaded to CPU weighs 0.8; matched blocks count every tier."""
+    store = make_store(3)
+    index = KVBlockIndex(EventKeys(tiers=Tiers({"gpu": 1.0, "cpu": 0.8, "storage": 0.25})))
+    scorer = precise_scorer(store, index)
+    tokens = TOKENIZED.encode(PROMPT)
+    total = len(tokens) // 16
+    store_blocks(index, 0, tokens, medium="GPU")
+    store_blocks(index, 1, tokens, medium="CPU")
+    # Endpoint 2: its first four blocks on GPU, the rest in storage.
+    store_blocks(index, 2, tokens[: 16 * 4])
+    hashes = list(range(3000, 3000 + total))
+    rest = BlockStored(hashes[4:], 3003, tokens[16 * 4 : 16 * total], 16, medium="STORAGE")
+    assert index.apply_stored(2, rest, "m") == total - 4
+    request = request_for({"model": "m", "prompt": PROMPT})
+    assert scores(scorer, request, store.all()) == [
+        1.0,
+        pytest.approx(0.8),
+        pytest.approx((4 + 0.25 * (total - 4)) / total),
+    ]
+    assert request.state[PREFIX_MATCH].matched_blocks == {0: total, 1: total, 2: total}
+    # The CPU tier's eviction leaves endpoint 0's GPU blocks alone.
+    index.apply_removed(0, BlockRemoved([1000 + 2], medium="CPU"))
+    index.apply_removed(1, BlockRemoved([2000 + 2], medium="CPU"))
+    request = request_for({"model": "m", "prompt": PROMPT})
+    assert scores(scorer, request, store.all())[:2] == [1.0, pytest.approx(0.8 * 2 / total)]
+
+
+def test_tier_weights_are_configured_in_the_index_section() -> None:
+    document = {"kvEvents": {"model": "m"}, "plugins": [{"type": "max-score-picker"}]}
+    config = parse_config({**document, "index": {"tierWeights": {"GPU": 1, "CPU": 0.5}}}, REGISTRY)
+    assert config.index.tier_weights == {"GPU": 1.0, "CPU": 0.5}
+    with pytest.raises(ConfigError, match=r"index\.tierWeights\.cpu: must be <= 1"):
+        parse_config({**document, "index": {"tierWeights": {"gpu": 1, "cpu": 2}}}, REGISTRY)
+    with pytest.raises(ConfigError, match=r"index\.tierWeights: the gpu tier needs a weight"):
+        parse_config({**document, "index": {"tierWeights": {"cpu": 0.8}}}, REGISTRY)
 
 
 def test_cache_salt_isolates_tenants_in_both_modes() -> None:

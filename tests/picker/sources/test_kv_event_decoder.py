@@ -91,6 +91,16 @@ def test_hashes_as_bytes_and_signed_ints_name_64_bit_blocks() -> None:
     assert batch.events == [BlockRemoved([HASH, 2**64 - 1, 0x0102])]
 
 
+def test_offloading_placeholder_events_decode() -> None:
+    """vLLM's offloading connector names an offloaded chunk by hash alone: no tokens, size 0."""
+    placeholder = ["BlockStored", [7], None, [], 0, None, "CPU", None, None, 1]
+    batch = decode_payload(msgpack.packb([1.0, [placeholder, ["BlockRemoved", [7], "CPU", 1]]]))
+    assert batch.events == [
+        BlockStored([7], None, [], 0, medium="CPU", group_idx=1),
+        BlockRemoved([7], "CPU", 1),
+    ]
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -102,7 +112,7 @@ def test_hashes_as_bytes_and_signed_ints_name_64_bit_blocks() -> None:
         msgpack.packb([1.0, {}]),
         msgpack.packb([1.0, [], "rank"]),
         msgpack.packb([1.0, [["BlockStored", [1], None, "tokens", 16]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1], -1]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], True]]]),
         msgpack.packb([1.0, [["BlockStored", "hashes", None, [1], 16]]]),
         msgpack.packb([1.0, [["BlockStored", [1.5], None, [1], 16]]]),

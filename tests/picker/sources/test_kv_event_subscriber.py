@@ -118,6 +118,42 @@ def test_publisher_addresses_from_the_map_or_the_port_pattern() -> None:
         make_subscriber(mode="both")
 
 
+def test_data_parallel_ranks_are_endpoints_with_offset_ports() -> None:
+    subscriber, _, _ = make_subscriber(
+        publisher_port=5557, replay_port=6557, data_parallel_base_port=8000
+    )
+    assert subscriber.addresses_of("10.0.0.1:8000") == PublisherAddress(
+        "tcp://10.0.0.1:5557", "tcp://10.0.0.1:6557"
+    )
+    assert subscriber.addresses_of("10.0.0.1:8003") == PublisherAddress(
+        "tcp://10.0.0.1:5560", "tcp://10.0.0.1:6560"
+    )
+    assert subscriber.addresses_of("10.0.0.1:7000") == PublisherAddress(  # below: rank 0
+        "tcp://10.0.0.1:5557", "tcp://10.0.0.1:6557"
+    )
+    plain, _, _ = make_subscriber(publisher_port=5557)
+    assert plain.addresses_of("10.0.0.1:8003").publisher == "tcp://10.0.0.1:5557"
+
+
+def test_counters_count_what_was_applied() -> None:
+    """Blocks the index did not take are dropped (by reason), not applied."""
+    index = KVBlockIndex(EventKeys(block_size_tokens=4))
+    metrics = PickerMetrics()
+    subscriber = KVEventSubscriber(SubscriberSettings(), make_store(1), index, metrics)
+    source = subscriber._source_from_topic(b"kv@10.0.0.1:8000@m")
+    assert source is not None
+    events = [
+        encode_stored("array", [1, 2], None, list(range(8)), 4, None, None),
+        encode_stored("array", [3], 99, list(range(4)), 4, None, None),  # unknown parent
+        encode_removed("array", [2, 42]),  # 42 was never held
+    ]
+    subscriber._receive(source, frames(0, encode_batch(0.0, events)))
+    assert sample(metrics, "kv_picker_kv_events_applied_total", kind="stored") == 2
+    assert sample(metrics, "kv_picker_kv_events_applied_total", kind="removed") == 1
+    assert sample(metrics, "kv_picker_kv_events_dropped_total", reason="not_held") == 1
+    assert index.num_blocks() == 1
+
+
 @settings(max_examples=300)
 @given(st.lists(st.lists(st.binary(max_size=40), max_size=4), max_size=10))
 def test_any_frames_never_raise(messages: list[list[bytes]]) -> None:

@@ -48,7 +48,7 @@ def test_events_feed_an_in_process_index_that_follows_the_endpoint_set() -> None
     assert index.apply_stored(1, BlockStored([1, 2], None, list(range(8)), 4), "m") == 2
     # Dropped blocks are counted by reason.
     assert index.apply_stored(0, BlockStored([3, 4], 99, list(range(8)), 4), "m") == 0
-    assert index.apply_stored(0, BlockStored([5], None, [1] * 4, 4, medium="CPU"), "m") == 0
+    assert index.apply_stored(0, BlockStored([5], None, [1] * 4, 4, medium="NVME"), "m") == 0
     assert dropped(metrics, DROP_UNKNOWN_PARENT) == 2
     assert dropped(metrics, DROP_MEDIUM) == 1
     # An endpoint leaving the pool leaves the index.

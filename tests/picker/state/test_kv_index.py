@@ -1,10 +1,10 @@
-"""The in-process precise index against a brute-force model, and its event-to-key rules."""
+"""The in-process precise index against a brute-force model (tiers, groups, bounds), and its
+event-to-key rules."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -12,93 +12,44 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_picker.state.block_events import (
+    DROP_ATTENTION,
+    DROP_BAD_TOKENS,
     DROP_BLOCK_SIZE,
     DROP_EXTRA_KEYS,
     DROP_LORA_ID,
     DROP_MEDIUM,
     DROP_TOKEN_COUNT,
+    DROP_UNKNOWN_HASH,
     DROP_UNKNOWN_PARENT,
     BlockRemoved,
     BlockStored,
     EventKeys,
+    KVEvent,
+    Tiers,
 )
 from kv_picker.state.block_ledger import BlockLedger
 from kv_picker.state.hashing import chain_root, token_keys
 from kv_picker.state.kv_index import KVBlockIndex
-
-NUM_ENDPOINTS = 4
-
-
-@dataclass
-class Model:
-    """What the index should hold: per endpoint, engine hash -> (key, stamp)."""
-
-    capacities: list[int]
-    max_blocks: int
-    entries: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
-    stamp: int = 0
-
-    def store(self, endpoint: int, hashes: list[int]) -> None:
-        held = self.entries.setdefault(endpoint, {})
-        for h in hashes:
-            self.stamp += 1
-            held.pop(h, None)
-            held[h] = (h, self.stamp)  # strict mode: the key is the engine hash
-        while len(held) > self.capacities[endpoint]:
-            oldest = min(held, key=lambda h: held[h][1])
-            del held[oldest]
-        while sum(map(len, self.entries.values())) > self.max_blocks:
-            victim, oldest = min(
-                ((e, h) for e, hs in self.entries.items() for h in hs),
-                key=lambda eh: self.entries[eh[0]][eh[1]][1],
-            )
-            del self.entries[victim][oldest]
-
-    def remove(self, endpoint: int, hashes: list[int]) -> None:
-        for h in hashes:
-            self.entries.get(endpoint, {}).pop(h, None)
-
-    def clear(self, endpoint: int) -> None:
-        self.entries.pop(endpoint, None)
-
-    def runs(self, keys: list[int], candidates: set[int]) -> dict[int, int]:
-        out = {}
-        for endpoint in candidates:
-            have = {key for key, _ in self.entries.get(endpoint, {}).values()}
-            run = 0
-            for key in keys:
-                if key not in have:
-                    break
-                run += 1
-            out[endpoint] = run
-        return out
-
-
-operation = st.one_of(
-    st.tuples(
-        st.just("store"),
-        st.integers(0, NUM_ENDPOINTS - 1),
-        st.lists(st.integers(1, 12), max_size=6, unique=True),
-    ),
-    st.tuples(
-        st.just("remove"),
-        st.integers(0, NUM_ENDPOINTS - 1),
-        st.lists(st.integers(1, 12), max_size=4),
-    ),
-    st.tuples(st.just("clear"), st.integers(0, NUM_ENDPOINTS - 1), st.just([])),
+from tests.picker.state.kv_model import (
+    NUM_ENDPOINTS,
+    NUM_KEYS,
+    TIER_WEIGHTS,
+    Model,
+    operations,
+    queries,
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
-    st.lists(operation, max_size=40),
-    st.lists(st.integers(1, 12), max_size=8),
+    operations,
+    queries,
     st.sets(st.integers(0, NUM_ENDPOINTS - 1)),
     st.lists(st.integers(0, 6), min_size=NUM_ENDPOINTS, max_size=NUM_ENDPOINTS),
     st.integers(1, 30),
 )
 def test_matches_brute_force_model(
-    ops: list[tuple[str, int, list[int]]],
+    ops: list[tuple[int, KVEvent]],
     query: list[int],
     candidates: set[int],
     scraped_capacities: list[int],
@@ -106,34 +57,51 @@ def test_matches_brute_force_model(
 ) -> None:
     default_capacity = 5
     index = KVBlockIndex(
-        EventKeys(key_mode="strict"),
+        EventKeys(key_mode="strict", tiers=Tiers(TIER_WEIGHTS)),
         default_capacity_blocks=default_capacity,
         max_blocks=max_blocks,
         capacity_source=scraped_capacities,
     )
-    model = Model([c or default_capacity for c in scraped_capacities], max_blocks)
-    for kind, endpoint, hashes in ops:
-        if kind == "store":
-            index.apply_stored(endpoint, BlockStored(hashes, None, [], 16), "m")
-            model.store(endpoint, hashes)
-        elif kind == "remove":
-            index.apply_removed(endpoint, BlockRemoved(hashes))
-            model.remove(endpoint, hashes)
+    model = Model([c or default_capacity for c in scraped_capacities], default_capacity, max_blocks)
+    for endpoint, event in ops:
+        if isinstance(event, BlockStored):
+            index.apply_stored(endpoint, event, "m")
+        elif isinstance(event, BlockRemoved):
+            index.apply_removed(endpoint, event)
         else:
             index.clear_endpoint(endpoint)
-            model.clear(endpoint)
-        assert index.num_blocks() == sum(map(len, model.entries.values()))
+        model.apply(endpoint, event)
+        assert index.num_blocks() == len(model.entries)
         assert index.num_blocks() <= max_blocks
+        # Every block's holders, tier by tier, as one-block lookups of every endpoint.
+        for key in range(1, NUM_KEYS + 1):
+            one_runs = [0] * NUM_ENDPOINTS
+            one_weighted = [0.0] * NUM_ENDPOINTS
+            index.runs([key], (1 << NUM_ENDPOINTS) - 1, one_runs, weighted_out=one_weighted)
+            expected_one = model.runs([key], set(range(NUM_ENDPOINTS)))
+            assert [(one_runs[e], one_weighted[e]) for e in range(NUM_ENDPOINTS)] == [
+                expected_one[e] for e in range(NUM_ENDPOINTS)
+            ], key
     for endpoint in range(NUM_ENDPOINTS):
-        assert sorted(index.ledger.keys(endpoint)) == sorted(model.entries.get(endpoint, {}))
-    runs_out = [-1] * NUM_ENDPOINTS
+        for tier in range(3):
+            assert set(index.ledger.keys(endpoint, tier)) == model.held(endpoint, tier)
     mask = sum(1 << e for e in candidates)
-    best = index.runs(query, mask, runs_out)
     expected = model.runs(query, candidates)
-    assert {e: runs_out[e] for e in candidates} == expected
+    runs_out = [-1] * NUM_ENDPOINTS
+    weighted_out = [-1.0] * NUM_ENDPOINTS
+    best = index.runs(query, mask, runs_out, weighted_out=weighted_out)
+    assert {e: runs_out[e] for e in candidates} == {e: r for e, (r, _) in expected.items()}
+    assert {e: weighted_out[e] for e in candidates} == pytest.approx(
+        {e: w for e, (_, w) in expected.items()}
+    )
     assert all(runs_out[e] == -1 for e in range(NUM_ENDPOINTS) if e not in candidates)
-    assert best == max(expected.values(), default=0)
-    distinct = {key for held in model.entries.values() for key, _ in held.values()}
+    assert all(weighted_out[e] == -1 for e in range(NUM_ENDPOINTS) if e not in candidates)
+    assert best == max((r for r, _ in expected.values()), default=0)
+    # Without weights: the same runs.
+    unweighted = [-1] * NUM_ENDPOINTS
+    assert index.runs(query, mask, unweighted) == best
+    assert [unweighted[e] for e in candidates] == [runs_out[e] for e in candidates]
+    distinct = {v[0] for v in model.entries.values()}
     assert index.num_keys() == len(distinct)
 
 
@@ -213,7 +181,7 @@ def test_what_is_not_indexed() -> None:
     assert index.apply_stored(0, BlockStored([1, 2], 99, tokens, 4), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 16), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens[:7], 4), "m") == 0
-    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, medium="CPU"), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, medium="NVME"), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, lora_id=3), "m") == 0
     # A multimodal key on block 1: block 0 is indexed, the rest is not.
     assert (
@@ -230,16 +198,131 @@ def test_what_is_not_indexed() -> None:
         (DROP_LORA_ID, 2),
         (DROP_EXTRA_KEYS, 1),
     ]
-    assert (
-        index.apply_stored(
-            0, BlockStored([3], None, tokens[:4], 4, kv_cache_spec_kind="sliding_window"), "m"
-        )
-        == 0
-    )
+    for kind in ("sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba"):
+        stored = BlockStored([3], None, tokens[:4], 4, group_idx=1, kv_cache_spec_kind=kind)
+        assert index.apply_stored(0, stored, "m") == 0
+    assert drops[-1] == (DROP_ATTENTION, 1)
     assert index.apply_stored(0, BlockStored([3], None, [2**40] * 4, 4), "m") == 0
+    assert index.apply_stored(0, BlockStored([4], None, [], 0, medium="CPU"), "m") == 0
+    assert drops[-2:] == [(DROP_BAD_TOKENS, 1), (DROP_UNKNOWN_HASH, 1)]
     assert index.num_blocks() == 1
     # GPU medium in either spelling, and no medium, are indexed.
     assert index.apply_stored(1, BlockStored([5], None, tokens[:4], 4, medium="GPU"), "m") == 1
+    assert index.apply_stored(1, BlockStored([6], None, tokens[:4], 4, medium="gpu"), "m") == 1
+
+
+def test_mla_and_sink_attention_are_full_attention_and_kinds_are_learned() -> None:
+    index = dual_index()
+    tokens = list(range(12))
+    for endpoint, kind in enumerate(("mla_attention", "sink_full_attention", "full_attention")):
+        event = BlockStored([1, 2, 3], None, tokens, 4, group_idx=0, kv_cache_spec_kind=kind)
+        assert index.apply_stored(endpoint, event, "m") == 3
+    runs = [0, 0, 0]
+    assert index.runs(request_keys(index, tokens), 0b111, runs) == 3
+    assert runs == [3, 3, 3]
+    # Group 1 said once it is a sliding window: its later events without a kind are not indexed.
+    window = BlockStored([9], None, tokens[:4], 4, group_idx=1, kv_cache_spec_kind="sliding_window")
+    assert index.apply_stored(0, window, "m") == 0
+    assert index.apply_stored(0, BlockStored([9], None, tokens[:4], 4, group_idx=1), "m") == 0
+    # A group never described is taken for full attention (older vLLM sends no kind).
+    assert index.apply_stored(1, BlockStored([9], None, tokens[:4], 4, group_idx=1), "m") == 1
+
+
+def test_removals_respect_tier_and_group() -> None:
+    """A CPU-tier eviction or another group's removal leaves the GPU full-attention entry."""
+    index = dual_index()
+    tokens = list(range(16))
+    keys = request_keys(index, tokens)
+    gpu = BlockStored([1, 2, 3, 4], None, tokens, 4, medium="GPU", group_idx=0)
+    assert index.apply_stored(0, gpu, "m") == 4
+    window = BlockStored(
+        [1, 2, 3, 4], None, tokens, 4, group_idx=1, kv_cache_spec_kind="sliding_window"
+    )
+    assert index.apply_stored(0, window, "m") == 0
+    cpu = BlockStored([1, 2, 3, 4], None, tokens, 4, medium="CPU", group_idx=0)
+    assert index.apply_stored(0, cpu, "m") == 4
+    runs, weighted = [0], [0.0]
+    assert index.apply_removed(0, BlockRemoved([1, 2], medium="CPU", group_idx=0)) == 2
+    assert index.apply_removed(0, BlockRemoved([1, 2, 3, 4], medium="GPU", group_idx=1)) == 0
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [4] and weighted == [4.0]
+    # The GPU copy of blocks 2 and 3 goes: the CPU copy of 3 (weight 0.8) still counts, 2 not.
+    assert index.apply_removed(0, BlockRemoved([3], medium="GPU")) == 1
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [4] and weighted == [pytest.approx(3.8)]
+    assert index.apply_removed(0, BlockRemoved([2], medium="GPU", group_idx=0)) == 1
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [1] and weighted == [1.0]
+    # AllBlocksCleared names no tier or group: all of the endpoint's entries go.
+    assert index.clear_endpoint(0) == 4
+    assert index.num_blocks() == 0 and index.num_keys() == 0
+
+
+def test_several_full_attention_groups_hold_a_block_until_the_last_one_drops_it() -> None:
+    index = dual_index()
+    tokens = list(range(8))
+    keys = request_keys(index, tokens)
+    for group in (0, 2):
+        event = BlockStored(
+            [1, 2], None, tokens, 4, group_idx=group, kv_cache_spec_kind="full_attention"
+        )
+        assert index.apply_stored(0, event, "m") == 2
+    runs = [0]
+    assert index.apply_removed(0, BlockRemoved([2], group_idx=2)) == 1
+    assert index.runs(keys, 0b1, runs) == 2
+    assert index.apply_removed(0, BlockRemoved([2], group_idx=0)) == 1
+    assert index.runs(keys, 0b1, runs) == 1
+
+
+def test_cpu_tier_events_without_tokens_resolve_through_the_engine_hashes() -> None:
+    """An offloading connector's placeholder event names a block by its engine hash alone."""
+    index = dual_index()
+    tokens = list(range(12))
+    keys = request_keys(index, tokens)
+    index.apply_stored(0, BlockStored([1, 2, 3], None, tokens, 4), "m")
+    placeholder = BlockStored([1, 2, 3, 99], None, [], 0, medium="CPU", group_idx=0)
+    assert index.apply_stored(0, placeholder, "m") == 3  # 99 names nothing known
+    # Offloaded blocks announced once per chunk overlapping them: counted, as many removals.
+    assert index.apply_stored(0, BlockStored([1], None, [], 0, medium="CPU"), "m") == 1
+    assert index.apply_removed(0, BlockRemoved([1, 2, 3], medium="GPU")) == 3
+    runs, weighted = [0], [0.0]
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [3] and weighted == [pytest.approx(2.4)]
+    assert index.apply_removed(0, BlockRemoved([1], medium="CPU")) == 1
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [3]
+    assert index.apply_removed(0, BlockRemoved([1], medium="CPU")) == 1
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [0] and weighted == [0.0]
+    # A CPU event with tokens continues a chain whose parent is on the GPU tier.
+    index.apply_stored(1, BlockStored([5], None, tokens[:4], 4), "m")
+    assert index.apply_stored(1, BlockStored([6, 7], 5, tokens[4:], 4, medium="CPU"), "m") == 2
+    index.runs(keys, 0b10, runs, weighted_out=weighted)
+    assert runs[1] == 3 and weighted[1] == pytest.approx(2.6)
+
+
+def test_tiers_and_their_weights() -> None:
+    tiers = Tiers({"GPU": 1.0, "cpu": 0.5, "lmcache": 0.7, "disk": 0.3})
+    assert [tiers.id_of(m) for m in (None, "GPU", "Cpu", "STORAGE", "LMCache", "disk")] == [
+        0,
+        0,
+        1,
+        None,
+        4,
+        3,
+    ]
+    assert tiers.weights == (1.0, 0.5, 0.0, 0.3, 0.7)
+    for bad in ({"cpu": 0.8}, {"gpu": 1.0, "GPU": 0.9}, {"gpu": 1.5}, {"gpu": 0.0}):
+        with pytest.raises(ValueError):
+            Tiers(bad)
+    with pytest.raises(ValueError):
+        Tiers({"gpu": 1.0, **{f"t{i}": 0.5 for i in range(6)}})
+    index = KVBlockIndex(EventKeys(block_size_tokens=4, tiers=tiers))
+    tokens = list(range(8))
+    index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, medium="LMCache"), "m")
+    runs, weighted = [0], [0.0]
+    index.runs(request_keys(index, tokens), 0b1, runs, weighted_out=weighted)
+    assert runs == [2] and weighted == [pytest.approx(1.4)]
 
 
 def test_strict_mode_needs_no_tokens() -> None:

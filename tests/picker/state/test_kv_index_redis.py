@@ -4,6 +4,7 @@ index, one round trip per lookup, and an outage that costs the signal, never a r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kv_picker.config import parse_config
 from kv_picker.director import Director
@@ -18,14 +20,23 @@ from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys, KVEvent, Tiers
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVBlockIndex, SpeculativeHolders
 from kv_picker.state.redis_index import RedisKVIndex
 from kv_picker_bench.valkey import ValkeyServer
 from tests.fakes import ManualClock, make_context, make_request, make_store
+from tests.picker.state.kv_model import (
+    NUM_ENDPOINTS,
+    NUM_KEYS,
+    TIER_WEIGHTS,
+    Model,
+    operations,
+    queries,
+)
 
 TOKENIZER = Path(__file__).resolve().parents[3] / "benchmarks" / "tokenizer"
+_prefixes = itertools.count()
 
 
 @pytest.fixture
@@ -109,9 +120,64 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
     for doc in documents:
         keys = local.event_keys.request_keys(doc, "m", None, None)
         local.runs(keys, 0b1111, runs)
-        expected = {store.all()[e].address: runs[e] for e in range(4) if runs[e]}
+        expected = {store.all()[e].address: (runs[e], float(runs[e])) for e in range(4) if runs[e]}
         assert await index.lookup(keys) == expected
     assert index.num_blocks() == local.num_blocks()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(operations, queries)
+def test_matches_brute_force_model(
+    server: ValkeyServer, ops: list[tuple[int, KVEvent]], query: list[int]
+) -> None:
+    """Tiers, groups, counting, bounds: the model of the in-process index's property test."""
+    asyncio.run(_replay_against_model(server, ops, query))
+
+
+async def _replay_against_model(
+    server: ValkeyServer, ops: list[tuple[int, KVEvent]], query: list[int]
+) -> None:
+    store = make_store(NUM_ENDPOINTS)
+    prefix = f"model-{next(_prefixes)}"
+    index = RedisKVIndex(
+        EventKeys(key_mode="strict", tiers=Tiers(TIER_WEIGHTS)),
+        server.url,
+        prefix,
+        lambda e: a.address if (a := store.get(EndpointId(e))) else None,
+        default_capacity_blocks=5,
+        max_blocks=12,
+        timeout_s=2.0,
+    )
+    model = Model([5] * NUM_ENDPOINTS, 5, 12)
+    task = asyncio.create_task(index.run())
+    try:
+        await wait_for(lambda: index.available)
+        for endpoint, event in ops:
+            if isinstance(event, BlockStored):
+                index.apply_stored(endpoint, event, "m")
+            elif isinstance(event, BlockRemoved):
+                index.apply_removed(endpoint, event)
+            else:
+                index.clear_endpoint(endpoint)
+            model.apply(endpoint, event)
+        await settle(index)
+        assert index.num_blocks() == len(model.entries)
+        addresses = [e.address for e in store.all()]
+        for keys in [query, *([key] for key in range(1, NUM_KEYS + 1))]:
+            expected = model.runs(keys, set(range(NUM_ENDPOINTS)))
+            found = await index.lookup(keys)
+            assert found is not None
+            assert {a: found.get(a, (0, 0.0)) for a in addresses} == {
+                addresses[e]: (run, pytest.approx(weighted))
+                for e, (run, weighted) in expected.items()
+            }, keys
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await index.close()
 
 
 async def test_one_round_trip_per_lookup(
@@ -124,7 +190,7 @@ async def test_one_round_trip_per_lookup(
     keys = index.event_keys.request_keys(tokens, "m", None, None)
     admin = server.client()
     admin.config_resetstat()
-    assert await index.lookup(keys) == {"10.0.0.2:8000": 500}
+    assert await index.lookup(keys) == {"10.0.0.2:8000": (500, 500.0)}
     stats = admin.info("commandstats")
     calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
     # One EVALSHA; the set commands are the script's own, run inside Redis.
@@ -133,11 +199,11 @@ async def test_one_round_trip_per_lookup(
     # Removal and clearing reach Redis too.
     index.apply_removed(1, BlockRemoved([250]))
     await settle(index)
-    assert await index.lookup(keys) == {"10.0.0.2:8000": 249}
+    assert await index.lookup(keys) == {"10.0.0.2:8000": (249, 249.0)}
     index.clear_endpoint(1)
     await settle(index)
     assert await index.lookup(keys) == {}
-    assert not admin.keys("test:b:*")  # empty bitmaps are deleted
+    assert not admin.keys("test:blk:*")  # empty bitmaps are deleted
 
 
 async def test_runs_map_addresses_to_ids_and_add_the_speculative_holders(
@@ -152,7 +218,7 @@ async def test_runs_map_addresses_to_ids_and_add_the_speculative_holders(
     fetching = index.prefetch(keys)
     assert fetching is not None
     prefetched = await fetching
-    assert prefetched == {"10.0.0.2:8000": 8, "10.0.0.3:8000": 3}
+    assert prefetched == {"10.0.0.2:8000": (8, 8.0), "10.0.0.3:8000": (3, 3.0)}
     runs = [-1] * 4
     assert index.runs(keys, 0b0111, runs, prefetched) == 8
     assert runs == [0, 8, 3, -1]  # endpoint 3 is no candidate: left alone
@@ -179,8 +245,8 @@ async def test_lost_data_is_resynced_from_the_ledger(
     keys = index.event_keys.request_keys(tokens, "m", None, None)
     server.client().flushall()  # e.g. a restart without persistence
     index.apply_stored(3, BlockStored([99], None, tokens[:4], 4), "m")  # the next write notices
-    await wait_for(lambda: server.client().exists("test:e:10.0.0.3:8000") == 1)
-    assert await index.lookup(keys) == {"10.0.0.3:8000": 10, "10.0.0.4:8000": 1}
+    await wait_for(lambda: server.client().exists("test:ep:10.0.0.3:8000") == 1)
+    assert await index.lookup(keys) == {"10.0.0.3:8000": (10, 10.0), "10.0.0.4:8000": (1, 1.0)}
 
 
 async def test_outage_means_no_signal_and_the_signal_returns(server: ValkeyServer) -> None:
@@ -284,7 +350,10 @@ async def test_another_replica_reads_what_this_one_wrote(
     try:
         await wait_for(lambda: reader.available)
         keys = reader.event_keys.request_keys(tokens, "m", None, None)
-        assert await reader.lookup(keys) == {"10.0.0.4:8000": 16, "10.0.0.1:8000": 4}
+        assert await reader.lookup(keys) == {
+            "10.0.0.4:8000": (16, 16.0),
+            "10.0.0.1:8000": (4, 4.0),
+        }
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -329,7 +398,7 @@ async def test_the_service_runs_the_subscriber_and_the_shared_index(server: Valk
             publisher.on_stored_for_request([StoredBlock(engine_hash, None, tokens)], None, None)
             publisher.flush()
             await asyncio.sleep(0.02)
-        await wait_for(lambda: server.client().exists("app:e:127.0.0.1:9") == 1)
+        await wait_for(lambda: server.client().exists("app:ep:127.0.0.1:9") == 1)
         async with aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{app.metrics_port}/metrics"
             async with session.get(url) as response:
@@ -350,9 +419,9 @@ async def test_an_endpoint_leaving_the_pool_leaves_the_shared_index(
     tokens = list(range(16))
     index.apply_stored(3, BlockStored([1, 2, 3, 4], None, tokens, 4), "m")
     await settle(index)
-    assert server.client().exists("test:e:10.0.0.4:8000") == 1
+    assert server.client().exists("test:ep:10.0.0.4:8000") == 1
     store.set_endpoints([EndpointSpec(e.address) for e in store.all()[:3]])
     await settle(index)
     keys = index.event_keys.request_keys(tokens, "m", None, None)
     assert await index.lookup(keys) == {}
-    assert server.client().exists("test:e:10.0.0.4:8000") == 0
+    assert server.client().exists("test:ep:10.0.0.4:8000") == 0
