@@ -416,6 +416,8 @@ async def test_a_dropped_stream_resumes_from_its_resource_version(
     async with discovering(kube, tmp_path, store) as discovery:
         await wait_for(lambda: len(store) == 1, "a")
         await watching(kube)
+        # The server sees the watch before the discovery's thread has counted it.
+        await wait_for(lambda: discovery.watch_stats()[PODS][1] >= 1, "the watch counted")
         lists, watches, version = discovery.watch_stats()[PODS]
         kube.drop_watches()
         await wait_for(lambda: discovery.watch_stats()[PODS][1] > watches, "a new watch")
