@@ -24,6 +24,16 @@ once. The split is only used when it is exact: every added token matched on the 
 without stripping or word boundaries, and no post-processor adding tokens. Long prompts run on
 the event loop's default thread pool through ``encode_batch`` (:func:`encode_async`), which
 releases the GIL while it runs.
+
+Completion prompts have no added tokens to split at, so a long piece is also cut into chunks of
+about ``chunk_chars`` (2,048) characters, each encoded and cached on its own: requests that share
+a long text prefix share its chunks, and only the tail that differs is tokenized. That is exact
+when the tokenizer is byte-level BPE (no normalizer, byte-level pre-tokenization without a
+prefix space): BPE never merges across the pre-tokenizer's words, so a cut at a word's start
+changes nothing. A cut is placed before a space that follows a non-space and precedes a letter
+(where GPT-2-style pre-tokenizers start a word), and only where the tokenizer's own
+pre-tokenizer, run over the cut's neighbourhood, starts a word there too. Other tokenizers are
+not chunked; a self-check at load time turns chunking off if a sample tokenizes differently.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ from kv_picker.request import Prompt
 _HEAD_MARGIN_CHARS = 1024
 _CACHE_MIN_CHARS = 256  # shorter pieces cost less to encode than to cache
 _CACHE_MAX_CHARS = 4_000_000
+CHUNK_CHARS = 2048
+_CUT_SEARCH_CHARS = 128  # how far past a chunk's nominal end a cut is looked for
+_CUT_WINDOW_CHARS = 48  # the neighbourhood the pre-tokenizer checks a cut in
 
 
 class TokenizerError(ValueError):
@@ -78,6 +91,7 @@ class PromptTokenizer:
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.special_tokens = dict(special_tokens or {})
         self._splitter, self._added_ids = _added_token_splitter(tokenizer)
+        self.chunk_chars = CHUNK_CHARS if _byte_level_bpe(tokenizer) else 0
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_chars = 0
         self._cache_lock = threading.Lock()  # encode_released runs on pool threads
@@ -93,6 +107,23 @@ class PromptTokenizer:
                 self._template = environment.from_string(chat_template)
             except jinja2.TemplateError as exc:
                 raise TokenizerError(f"chat template does not compile: {exc}") from exc
+        if self.chunk_chars and not self._chunking_is_exact():
+            self.chunk_chars = 0
+
+    def _chunking_is_exact(self) -> bool:
+        """Encode a sample whole and in chunks; chunking stays on only if they agree."""
+        words = ["The", "model's", "KV-cache", "holds", "12,345", "blocks;", "naïve", "Überall",
+                 "x=y+1", "(see", "§4.2)", "\n\n", "tab\there", "don't", "  two", "Ω", "日本語"]  # fmt: skip
+        sample = " ".join(words[(i * 7) % len(words)] for i in range(600))
+        chunk_chars, self.chunk_chars = self.chunk_chars, 97
+        try:
+            chunked = self._chunked(sample, False)
+        finally:
+            self.chunk_chars = chunk_chars
+            self._cache.clear()
+            self._cached_chars = 0
+            self.cache_hits = 0
+        return chunked == self._raw(sample, False, False)
 
     @classmethod
     def load(cls, path: str | Path) -> PromptTokenizer:
@@ -210,6 +241,46 @@ class PromptTokenizer:
     def _piece(self, piece: str, released: bool) -> list[int]:
         if len(piece) < _CACHE_MIN_CHARS:
             return self._raw(piece, False, released)
+        if self.chunk_chars and len(piece) > 2 * self.chunk_chars:
+            return self._chunked(piece, released)
+        return self._cached(piece, released)
+
+    def _chunked(self, piece: str, released: bool) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        for cut in self._cuts(piece):
+            ids += self._cached(piece[start:cut], released)
+            start = cut
+        ids += self._cached(piece[start:], released)
+        return ids
+
+    def _cuts(self, text: str) -> list[int]:
+        """Where ``text`` may be cut without changing its tokens, about every chunk."""
+        cuts: list[int] = []
+        size = self.chunk_chars
+        position = size
+        limit = len(text) - size // 2  # leave the tail a chunk of some length
+        pre_tokenize = self.tokenizer.pre_tokenizer.pre_tokenize_str
+        while position < limit:
+            end = min(position + _CUT_SEARCH_CHARS, limit)
+            cut = text.find(" ", position, end)
+            while cut != -1:
+                before, after = text[cut - 1], text[cut + 1] if cut + 1 < len(text) else ""
+                if not before.isspace() and after.isalpha():
+                    window_start = max(0, cut - _CUT_WINDOW_CHARS)
+                    window = text[window_start : cut + _CUT_WINDOW_CHARS]
+                    starts = {offsets[0] for _, offsets in pre_tokenize(window)}
+                    if cut - window_start in starts:
+                        break
+                cut = text.find(" ", cut + 1, end)
+            if cut == -1:
+                position = end  # no word starts here: look further on
+                continue
+            cuts.append(cut)
+            position = cut + size
+        return cuts
+
+    def _cached(self, piece: str, released: bool) -> list[int]:
         cache = self._cache
         with self._cache_lock:
             cached = cache.get(piece)
@@ -244,6 +315,25 @@ class PromptInput:
     text: str = ""
     add_special_tokens: bool = True
     token_ids: list[int] | None = None
+
+
+def _byte_level_bpe(tokenizer: Tokenizer) -> bool:
+    """Byte-level BPE with the GPT-2-style word split and no prefix space (chunkable)."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except ValueError:
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        pre = parts[0] if len(parts) == 1 else {}
+    return (
+        spec.get("normalizer") is None
+        and (spec.get("model") or {}).get("type") == "BPE"
+        and pre.get("type") == "ByteLevel"
+        and not pre.get("add_prefix_space", True)
+        and bool(pre.get("use_regex", True))
+    )
 
 
 def _added_token_splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:

@@ -466,3 +466,40 @@ def test_a_pick_counts_until_events_can_confirm_it() -> None:
     strict = precise_scorer(store, index, speculativeTTL=0)
     strict.on_pick(first, picked)
     assert scores(strict, request_for({"model": "m", "prompt": PROMPT}), store.all()) == [0, 0, 0]
+
+
+words = st.one_of(
+    st.text(min_size=1, max_size=12),
+    st.sampled_from(["the", "KV", "cache's", "1234", "naïve", "日本", "--", "\n", "\t", "  "]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(words, min_size=1, max_size=400), st.sampled_from([" ", "  ", "\n", ""]))
+def test_chunked_encoding_equals_the_tokenizer(parts: list[str], glue: str) -> None:
+    tokenizer = PromptTokenizer.load(TOKENIZER)
+    assert tokenizer.chunk_chars > 0  # the shipped tokenizer is byte-level BPE: chunked
+    tokenizer.chunk_chars = 64  # many cuts in a short text
+    text = glue.join(parts)
+    plain = tokenizer.tokenizer.encode(text).ids
+    assert tokenizer.encode(text) == plain
+    assert tokenizer.encode_released(text) == plain  # chunks from the cache now
+
+
+def test_prompts_sharing_a_long_prefix_share_its_chunks() -> None:
+    tokenizer = PromptTokenizer.load(TOKENIZER)
+    shared = " ".join(f"word{i % 97} of the shared context" for i in range(1000))
+    first = tokenizer.encode(shared + " first question?")
+    hits = tokenizer.cache_hits
+    second = tokenizer.encode(shared + " a different question?")
+    assert first == tokenizer.tokenizer.encode(shared + " first question?").ids
+    assert second == tokenizer.tokenizer.encode(shared + " a different question?").ids
+    assert tokenizer.cache_hits - hits >= len(shared) // tokenizer.chunk_chars - 1
+
+
+def test_tokenizers_that_are_not_byte_level_bpe_are_not_chunked() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    wordpiece = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert PromptTokenizer(wordpiece).chunk_chars == 0
