@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
@@ -112,6 +113,7 @@ class RequestStream:
         self.preparing: Awaitable[None] | None = None
         self._resume_end_of_stream = True
         self._trailers_after_pick = False
+        self._request_id: str | None = None
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -154,9 +156,16 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
+        """The request's id: the parsed request's, else the header's, else one made up here
+        (once), so that every error the client sees can be found in the logs."""
         if self.request is not None:
             return self.request.request_id
-        return self.headers.get(REQUEST_ID_HEADER, "") or "-"
+        request_id = self.headers.get(REQUEST_ID_HEADER, "")
+        if not request_id:
+            if self._request_id is None:
+                self._request_id = str(uuid.uuid4())
+            request_id = self._request_id
+        return request_id
 
     def _internal_error(self) -> InternalError:
         """Log the exception being handled; the client gets the request id only."""
@@ -292,7 +301,11 @@ class RequestStream:
     def _fail(self, error: PickerError) -> pb.ProcessingResponse:
         self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
         if error.status >= 500:
-            log.warning("request failed: %s", error.message)
+            request_id = self.request_id
+            log.warning("request %s failed: %s", request_id, error.message)
+            if request_id not in error.message:
+                # Our own words only (never an exception's), and the id to find the log line.
+                error.message = f"{error.message} (request id {request_id})"
         self.closed = True
         return responses.immediate_error(error)
 

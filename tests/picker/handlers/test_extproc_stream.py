@@ -335,3 +335,30 @@ def test_an_internal_error_sends_the_request_id_never_the_exception_text() -> No
     assert response.immediate_response.status.code == 500
     assert "req-42" in body
     assert "secret" not in body and "RuntimeError" not in body
+
+
+def test_a_protocol_error_without_a_request_id_still_names_one() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    (response,) = run(stream, body_message(BODY))  # a body before any headers
+    assert response.immediate_response.status.code == 500
+    message = json.loads(response.immediate_response.body)["error"]["message"]
+    assert f"(request id {stream.request_id})" in message
+    assert len(stream.request_id) == 36  # made up here, a UUID, the same in the log line
+
+
+def test_a_bug_in_parsing_is_a_500_with_the_request_id_only() -> None:
+    director = make_director()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+
+    director.parse = broken  # type: ignore[method-assign]
+    (response,) = run(
+        RequestStream(director),
+        headers_message(extra=[("x-request-id", "req-7")]),
+        body_message(BODY),
+    )
+    body = response.immediate_response.body.decode()
+    assert response.immediate_response.status.code == 500
+    assert "req-7" in body and "4300" not in body and "ValueError" not in body
