@@ -16,6 +16,7 @@ COMMANDS = {
     "families": "kv_picker_bench.harness.families",
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
+    "faults": "kv_picker_bench.faults.cli",
 }
 
 
@@ -33,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  families   the trace generators --trace accepts, their parameters and ranges")
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
+        print("  faults     fault suite: kills, bad reloads and inputs, gRPC abuse, outages")
         return 0 if args and args[0] in ("-h", "--help") else 2
     import importlib
 
