@@ -461,6 +461,7 @@ class LocalStack:
         failure_mode: the pool's failure mode, ``FailClose`` or ``FailOpen`` (Envoy then
             balances over the started endpoints when the picker cannot be reached; see
             :func:`envoy_bootstrap`).
+        workdir_prefix: name prefix of the temporary work directory.
     """
 
     def __init__(
@@ -479,6 +480,7 @@ class LocalStack:
         kv_events_encoding: str = "array",
         tokenizer: str | Path | None = None,
         failure_mode: str = "FailClose",
+        workdir_prefix: str = "kv-picker-stack-",
     ) -> None:
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
         self.picker_config = dict(picker_config or {})
@@ -498,7 +500,7 @@ class LocalStack:
         # Per endpoint address: (publisher, replay) ZMQ addresses of its KV events.
         self.kv_event_addresses: dict[str, tuple[str, str]] = {}
         self._own_workdir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kv-picker-stack-"))
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=workdir_prefix))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sim_addresses: list[str] = []
         self.processes: list[ManagedProcess] = []

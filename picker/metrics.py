@@ -127,6 +127,12 @@ class PickerMetrics:
         self.running = Gauge(
             "kv_picker_requests_running", "Requests routed and not yet finished.", registry=r
         )
+        self.asyncio_tasks = Gauge(
+            "kv_picker_asyncio_tasks",
+            "asyncio tasks alive in the picker's event loop, read at each scrape (one per open "
+            "ext_proc stream plus the side tasks): a count that only grows is a leak.",
+            registry=r,
+        )
         self.endpoints = Gauge(
             "kv_picker_endpoints", "Endpoints by state (ready, not_ready).", ("state",), registry=r
         )

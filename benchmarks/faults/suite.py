@@ -81,6 +81,7 @@ def picker_config(lru_blocks: int | None = None, **sections: Any) -> dict[str, A
 def stack(sims: int = 2, config: dict[str, Any] | None = None, **options: Any) -> LocalStack:
     """A local stack with the suite's config and time scale (not started)."""
     options.setdefault("time_scale", TIME_SCALE)
+    options.setdefault("workdir_prefix", "kv-picker-faults-")
     return LocalStack(sims=sims, picker_config=config or picker_config(), **options)
 
 
