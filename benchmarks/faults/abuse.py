@@ -202,6 +202,9 @@ def bad_inputs(sizes: Sizes) -> ScenarioResult:
             result.check(f"{mode}: no hang", not hung)
             result.check(f"{mode}: picker alive", picker.alive())
             result.check(f"{mode}: /metrics answers 200", reading.status == 200)
+            closed = Counter(a.family for a in answers if a.status == 0 and not a.hung)
+            if closed:
+                result.notes.append(f"{mode}: closed without an answer, by family {dict(closed)}")
             if gateway_500 or other_5xx:
                 worst = Counter(a.family for a in gateway_500 + other_5xx)
                 result.notes.append(f"{mode}: 5xx by family {dict(worst)}")

@@ -20,7 +20,7 @@ from kv_picker.wire import DESTINATION_HEADER
 from kv_picker_bench.faults import probes
 from kv_picker_bench.faults.probes import MB
 from kv_picker_bench.faults.report import ScenarioResult
-from kv_picker_bench.faults.suite import Sizes, picker_config, scenario, stack
+from kv_picker_bench.faults.suite import MAX_BODY_BYTES, Sizes, picker_config, scenario, stack
 from kv_picker_bench.faults.traffic import (
     Shot,
     TrafficThread,
@@ -364,7 +364,7 @@ def valkey_outage(sizes: Sizes) -> ScenarioResult:
     with scenario("valkey-outage") as result, ValkeyServer() as valkey:
         config = {
             **precise_profile(),
-            "server": {"maxBodyBytes": 256 * 1024},
+            "server": {"maxBodyBytes": MAX_BODY_BYTES},
             "index": {"backend": "redis", "url": valkey.url, "timeout": "200ms"},
         }
         client = valkey.client()
@@ -446,7 +446,8 @@ def kill_picker_under_load(
 
     Returns figures: ``lost_in_flight`` (failed requests started before the kill),
     ``lost_started_after_kill``, ``last_loss_after_kill_ms``, ``lost_started_after_detection``
-    (failed requests started more than :data:`DETECTION_S` after the kill), ``served_while_down``, ``requests_while_down``,
+    (failed requests started more than :data:`DETECTION_S` after the kill), and, for requests
+    started after that and ended before the restart, ``served_while_down``, ``requests_while_down``,
     ``max_latency_while_down_ms``, ``max_latency_ms``, ``trap_hits`` (connections a forged
     destination header reached while the picker was down), ``picker_back_s`` (restart to the
     first request the picker routed; -1 if none within 15 s).
@@ -486,7 +487,8 @@ def kill_picker_under_load(
     finally:
         trap.close()
     failed = [s for s in shots if s.failed]
-    down = [s for s in shots if killed_s < s.start_s and s.end_s < restarted_s]
+    # "While down": after Envoy could know (DETECTION_S), before the restart.
+    down = [s for s in shots if killed_s + DETECTION_S < s.start_s and s.end_s < restarted_s]
     return {
         "requests": len(shots),
         "lost_in_flight": sum(1 for s in failed if s.start_s <= killed_s),

@@ -12,7 +12,7 @@ of the warm samples minus the median of their first quarter, and must stay under
 per series:
 
 ```
-RSS              5% of its warm mean (at least 5 MB)
+RSS              2% of its warm mean (at least 1 MB)
 open fds         3
 asyncio tasks    3
 index keys       5% of its warm mean (at least 100)
@@ -85,11 +85,45 @@ def trend(samples: Sequence[Sample], series: str) -> float:
 def tolerance(samples: Sequence[Sample], series: str) -> float:
     mean = statistics.fmean(float(getattr(s, series)) for s in samples)
     return {
-        "rss_mb": max(0.05 * mean, 5.0),
+        "rss_mb": max(0.02 * mean, 1.0),
         "open_fds": 3.0,
         "asyncio_tasks": 3.0,
         "index_keys": max(0.05 * mean, 100.0),
     }[series]
+
+
+def judge(
+    samples: Sequence[Sample], duration_s: float
+) -> tuple[dict[str, object], dict[str, bool]]:
+    """Figures of each series (start, once warm, max, end, warm trend) and the verdicts."""
+    warm = [s for s in samples if s.t_s >= duration_s / 4]
+    figures: dict[str, object] = {}
+    verdicts: dict[str, bool] = {}
+    for series in SERIES:
+        growth = trend(warm, series)
+        limit = tolerance(warm, series) if warm else 0.0
+        figures[f"{series}_start"] = getattr(samples[0], series) if samples else None
+        figures[f"{series}_warm"] = getattr(warm[0], series) if warm else None
+        figures[f"{series}_max"] = max((getattr(s, series) for s in samples), default=None)
+        figures[f"{series}_end"] = getattr(samples[-1], series) if samples else None
+        figures[f"{series}_warm_trend"] = round(growth, 2)
+        verdicts[f"{series}: no upward trend once warm (< {limit:.3g})"] = bool(warm) and (
+            growth < limit
+        )
+    return figures, verdicts
+
+
+def rejudge(path: Path) -> dict[str, object]:
+    """Apply the current verdict to the samples of a written ``soak.json`` (rewritten)."""
+    document: dict[str, object] = json.loads(path.read_text())
+    samples = [Sample(**s) for s in document["samples"]]  # type: ignore[attr-defined]
+    settings: dict[str, float] = document["settings"]  # type: ignore[assignment]
+    figures, verdicts = judge(samples, settings["duration_s"])
+    document["figures"] = {**document["figures"], **figures}  # type: ignore[dict-item]
+    document["checks"] = verdicts
+    document["passed"] = all(verdicts.values())
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return document
 
 
 def run(
@@ -163,8 +197,6 @@ def run(
         finally:
             traffic.stop(120.0)
         applied = probes.read_picker(port).value("kv_picker_config_reloads_total{result=applied}")
-    warm = [s for s in samples if s.t_s >= duration_s / 4]
-    verdicts = {}
     figures: dict[str, object] = {
         "duration_s": duration_s,
         "requests": counter.sent,
@@ -174,17 +206,8 @@ def run(
         "reloads_written": reloads,
         "reloads_applied": int(applied),
     }
-    for series in SERIES:
-        growth = trend(warm, series)
-        limit = tolerance(warm, series) if warm else 0.0
-        figures[f"{series}_start"] = getattr(samples[0], series) if samples else None
-        figures[f"{series}_warm"] = getattr(warm[0], series) if warm else None
-        figures[f"{series}_max"] = max((getattr(s, series) for s in samples), default=None)
-        figures[f"{series}_end"] = getattr(samples[-1], series) if samples else None
-        figures[f"{series}_warm_trend"] = round(growth, 2)
-        verdicts[f"{series}: no upward trend once warm (< {limit:.3g})"] = bool(warm) and (
-            growth < limit
-        )
+    series_figures, verdicts = judge(samples, duration_s)
+    figures.update(series_figures)
     document = {
         "settings": {
             "duration_s": duration_s,
@@ -249,7 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "picker's RSS, open fds, asyncio tasks and index size; verdict: no upward trend once "
         "warm. Writes soak.json and soak.png.",
     )
-    parser.add_argument("--duration-s", type=float, required=True, help="how long to run")
+    parser.add_argument("--duration-s", type=float, help="how long to run (required)")
+    parser.add_argument(
+        "--judge",
+        type=Path,
+        default=None,
+        metavar="SOAK_JSON",
+        help="do not run: apply the current verdict to the samples of a soak.json (rewritten)",
+    )
     parser.add_argument("--out", type=Path, default=Path("soak-results"), help="output folder")
     parser.add_argument("--connections", type=int, default=8, help="client connections (8)")
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second (100)")
@@ -259,17 +289,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reload-every-s", type=float, default=60.0, help="reload period (60)")
     parser.add_argument("--sample-every-s", type=float, default=5.0, help="sample period (5)")
     args = parser.parse_args(argv)
-    if args.duration_s <= 0 or args.connections < 1 or args.rate <= 0:
+    if args.judge is not None:
+        document = rejudge(args.judge)
+    elif args.duration_s is None:
+        parser.error("--duration-s is required (or --judge)")
+    elif args.duration_s <= 0 or args.connections < 1 or args.rate <= 0:
         parser.error("--duration-s, --connections and --rate must be positive")
-    document = run(
-        args.duration_s,
-        args.out,
-        args.connections,
-        args.rate,
-        args.restart_every_s,
-        args.reload_every_s,
-        args.sample_every_s,
-    )
+    else:
+        document = run(
+            args.duration_s,
+            args.out,
+            args.connections,
+            args.rate,
+            args.restart_every_s,
+            args.reload_every_s,
+            args.sample_every_s,
+        )
     print(json.dumps(document["figures"], indent=2))
     for check, ok in document["checks"].items():  # type: ignore[attr-defined]
         print(f"{'PASS' if ok else 'FAIL'}  {check}")
