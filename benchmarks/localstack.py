@@ -35,6 +35,9 @@ import yaml
 from kv_picker.wire import DESTINATION_HEADER
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+# The InferencePool's spec.endpointPickerRef.failureMode values.
+FAILURE_MODES = ("FailClose", "FailOpen")
+FALLBACK_CLUSTER = "pool_fallback_cluster"
 
 
 def free_port() -> int:
@@ -69,8 +72,9 @@ def envoy_bootstrap(
     admin_port: int,
     ext_proc_port: int,
     body_mode: str = "FULL_DUPLEX_STREAMED",
-    failure_mode_allow: bool = False,
     max_body_bytes: int = 8 * 1024 * 1024,
+    failure_mode: str = "FailClose",
+    pool_endpoints: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
 
@@ -78,9 +82,35 @@ def envoy_bootstrap(
     same way) or ``BUFFERED`` (responses sent chunk by chunk in ``STREAMED`` mode).
     Envoy's buffer limit is set above the picker's ``max_body_bytes`` so that an oversized body
     reaches the picker and gets its JSON 413 rather than Envoy's plain-text one.
+
+    ``failure_mode`` is the InferencePool's: with ``FailClose`` (the default, as in the GIE
+    test configs) a request whose picker cannot be reached gets Envoy's 500 at once. With
+    ``FailOpen`` it is served by Envoy's own load balancing over ``pool_endpoints``.
+    ``failure_mode_allow`` alone would not do that: the only route goes to the ORIGINAL_DST
+    cluster keyed on the header the picker sets, and without it there is nowhere to go. So
+    FailOpen adds, in this order (see :func:`fail_open_routes`):
+
+    ```
+    HCM early header mutation: remove any client-sent x-gateway-destination-endpoint
+    ext_proc (failure_mode_allow: true)
+    route 1: header x-gateway-destination-endpoint present ─> original_destination_cluster
+    route 2: anything else (the picker was unreachable)    ─> pool_fallback_cluster
+             (STATIC, LEAST_REQUEST, HTTP health checks on /health, retried on connect failure)
+    ```
+
+    The early removal matters: with the picker down, a destination header the client wrote
+    would otherwise take route 1 to an address of the client's choosing.
+
+    Raises:
+        ValueError: an unknown body or failure mode, or FailOpen without pool endpoints.
     """
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode must be one of {BODY_MODES}")
+    if failure_mode not in FAILURE_MODES:
+        raise ValueError(f"failure_mode must be one of {FAILURE_MODES}")
+    fail_open = failure_mode == "FailOpen"
+    if fail_open and not pool_endpoints:
+        raise ValueError("FailOpen needs the pool's endpoints to fall back to")
     full_duplex = body_mode == "FULL_DUPLEX_STREAMED"
     processing_mode = {
         "request_header_mode": "SEND",
@@ -94,7 +124,7 @@ def envoy_bootstrap(
     def socket_address(port: int) -> dict[str, Any]:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
-    return {
+    bootstrap: dict[str, Any] = {
         "admin": {"address": socket_address(admin_port)},
         "static_resources": {
             "listeners": [
@@ -140,7 +170,7 @@ def envoy_bootstrap(
                                                         "envoy_grpc": {"cluster_name": "ext_proc"},
                                                         "timeout": "10s",
                                                     },
-                                                    "failure_mode_allow": failure_mode_allow,
+                                                    "failure_mode_allow": fail_open,
                                                     "processing_mode": processing_mode,
                                                     "message_timeout": "30s",
                                                 },
@@ -205,6 +235,121 @@ def envoy_bootstrap(
             ],
         },
     }
+    if fail_open:
+        hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        hcm["typed_config"]["early_header_mutation_extensions"] = [early_header_removal()]
+        virtual_host = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+        virtual_host["routes"] = fail_open_routes()
+        clusters = bootstrap["static_resources"]["clusters"]
+        clusters[1].update(picker_failure_detection())
+        clusters.append(fallback_cluster([socket_address_of(a) for a in pool_endpoints]))
+    return bootstrap
+
+
+def socket_address_of(address: str) -> dict[str, Any]:
+    """Envoy's address of ``host:port``."""
+    host, _, port = address.rpartition(":")
+    return {"socket_address": {"address": host, "port_value": int(port)}}
+
+
+def early_header_removal() -> dict[str, Any]:
+    """Remove a client-sent destination header before any filter or route sees the request."""
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation."
+            "header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": DESTINATION_HEADER}],
+        },
+    }
+
+
+def picker_failure_detection() -> dict[str, Any]:
+    """Settings of the picker's cluster that let Envoy fail open before it sends a body.
+
+    In ``FULL_DUPLEX_STREAMED`` mode Envoy hands body chunks to the ext_proc stream as they
+    arrive; a stream error after that is a 500 even with ``failure_mode_allow`` (Envoy no longer
+    has the body to send on). Only a stream that fails as it opens is skipped at once, before
+    any body is sent, and that is what happens when the cluster has no healthy host and no panic
+    routing. So: a picker that refuses connections is ejected at once (outlier detection on
+    local-origin failures), a picker that is stopping says NOT_SERVING (gRPC health checks),
+    and ``healthy_panic_threshold: 0`` keeps Envoy from trying an unhealthy picker anyway. A
+    successful health check lets the picker back in.
+    """
+    return {
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "1s",
+                "no_traffic_interval": "1s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {
+                    "service_name": "envoy.service.ext_proc.v3.ExternalProcessor"
+                },
+            }
+        ],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+    }
+
+
+def fail_open_routes() -> list[dict[str, Any]]:
+    """The picker's pick when it made one, else Envoy's own balancing over the pool."""
+    return [
+        {
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+            },
+            "route": {"cluster": "original_destination_cluster", "timeout": "300s"},
+        },
+        {
+            "match": {"prefix": "/"},
+            "route": {
+                "cluster": FALLBACK_CLUSTER,
+                "timeout": "300s",
+                # Only failures before the request reached an endpoint: nothing runs twice.
+                "retry_policy": {"retry_on": "connect-failure,refused-stream", "num_retries": 2},
+            },
+        },
+    ]
+
+
+def fallback_cluster(addresses: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The pool's endpoints as a cluster Envoy balances itself (the FailOpen path)."""
+    return {
+        "name": FALLBACK_CLUSTER,
+        "type": "STATIC",
+        "lb_policy": "LEAST_REQUEST",
+        "connect_timeout": "2s",
+        "load_assignment": {
+            "cluster_name": FALLBACK_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": a}} for a in addresses]}],
+        },
+        # vLLM's /health: an endpoint that is down leaves the rotation within seconds.
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health"},
+            }
+        ],
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}
+            ]
+        },
+    }
 
 
 class ManagedProcess:
@@ -249,6 +394,20 @@ class ManagedProcess:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name}: no {what} after {timeout_s}s:\n{self.log_tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int | None:
+        """Send ``sig`` to the process group and wait up to ``timeout_s`` for the exit.
+
+        Returns the exit code, or None when the process was still running at the timeout
+        (:meth:`stop` then makes sure of it).
+        """
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.alive():
@@ -302,6 +461,10 @@ class LocalStack:
         discovery: the picker's ``discovery`` section (e.g. Kubernetes discovery against
             :class:`~kv_picker_bench.sim.kube_api.FakeKubeApi`); its config then lists no
             ``endpoints``, and whoever drives the stack tells the API about the endpoints.
+        failure_mode: the pool's failure mode, ``FailClose`` or ``FailOpen`` (Envoy then
+            balances over the started endpoints when the picker cannot be reached; see
+            :func:`envoy_bootstrap`).
+        workdir_prefix: name prefix of the temporary work directory.
     """
 
     def __init__(
@@ -320,6 +483,8 @@ class LocalStack:
         kv_events_encoding: str = "array",
         tokenizer: str | Path | None = None,
         discovery: dict[str, Any] | None = None,
+        failure_mode: str = "FailClose",
+        workdir_prefix: str = "kv-picker-stack-",
     ) -> None:
         self.discovery = discovery
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
@@ -334,10 +499,13 @@ class LocalStack:
         self.kv_events = kv_events
         self.kv_events_encoding = kv_events_encoding
         self.tokenizer = str(tokenizer) if tokenizer is not None else None
+        if failure_mode not in FAILURE_MODES:
+            raise ValueError(f"failure_mode must be one of {FAILURE_MODES}")
+        self.failure_mode = failure_mode
         # Per endpoint address: (publisher, replay) ZMQ addresses of its KV events.
         self.kv_event_addresses: dict[str, tuple[str, str]] = {}
         self._own_workdir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kv-picker-stack-"))
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=workdir_prefix))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sim_addresses: list[str] = []
         self.processes: list[ManagedProcess] = []
@@ -444,9 +612,19 @@ class LocalStack:
         Its cache starts empty, as a restarted vLLM's does. Blocking: run it in a thread to
         keep traffic flowing meanwhile.
         """
-        old = next(p for p in self.processes if p.name == f"sim-{index}")
-        old.stop()
+        self.sim_process(index).stop()
         time.sleep(downtime_s)
+        self.start_sim_again(index)
+
+    def sim_process(self, index: int) -> ManagedProcess:
+        """The process of endpoint ``index``."""
+        return next(p for p in self.processes if p.name == f"sim-{index}")
+
+    def start_sim_again(self, index: int) -> None:
+        """Start endpoint ``index`` again (stopped or killed) with the same arguments and ports;
+        return once it answers ``/health``."""
+        old = self.sim_process(index)
+        old.stop()  # reaps it and closes its log, whatever stopped it
         proc = ManagedProcess(old.name, old.argv, self.workdir / f"sim-{index}.restarted.log")
         self.processes[self.processes.index(old)] = proc
         health_url = f"http://{self.sim_addresses[index]}/health"
@@ -518,7 +696,12 @@ class LocalStack:
         self.envoy_port = free_port()
         self.envoy_admin_port = free_port()
         bootstrap = envoy_bootstrap(
-            self.envoy_port, self.envoy_admin_port, self.picker_grpc_port, self.body_mode
+            self.envoy_port,
+            self.envoy_admin_port,
+            self.picker_grpc_port,
+            self.body_mode,
+            failure_mode=self.failure_mode,
+            pool_endpoints=self.sim_addresses,
         )
         self.envoy = self.launch_envoy("envoy", bootstrap, self.envoy_admin_port)
 

@@ -336,6 +336,7 @@ class PickerApp:
     # -- HTTP -------------------------------------------------------------------------------
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.asyncio_tasks.set(len(asyncio.all_tasks()))
         index = self.kv_index
         if index is not None:
             self.metrics.kv_index_blocks.set(index.num_blocks())

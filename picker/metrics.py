@@ -2,6 +2,12 @@
 
 All metrics live on one registry owned by :class:`PickerMetrics`, created once per process (or
 per test), never as module globals. Label sets are defined here and nowhere else.
+
+Label values come from the config (profiles, plugins, endpoints), from fixed vocabularies
+(outcomes, reasons, decisions) and, for one label, from requests: ``model``. A value a client
+wrote goes through :meth:`PickerMetrics.model_label`, which makes it printable, valid Unicode
+and short, and caps the number of distinct values, so no request can make ``/metrics`` fail or
+grow without bound.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ REQUEST_LABELS = ("model", "outcome")
 # the exposition without bound.
 MAX_MODEL_LABELS = 100
 OTHER_MODEL = "other"
+# Longer label values are cut: a model name is tens of characters, a body may carry megabytes.
+MAX_LABEL_CHARS = 128
+_REPLACEMENT = "\ufffd"
 PLUGIN_LABELS = ("profile", "plugin", "type")
 ENDPOINT_LABELS = ("endpoint",)
 DISCOVERY_LABELS = ("resource", "reason")
@@ -128,6 +137,12 @@ class PickerMetrics:
             "kv_picker_requests_pending",
             "Requests whose headers arrived and that are not routed yet (bounded by "
             "admission.maxPendingRequests).",
+            registry=r,
+        )
+        self.asyncio_tasks = Gauge(
+            "kv_picker_asyncio_tasks",
+            "asyncio tasks alive in the picker's event loop, read at each scrape (one per open "
+            "ext_proc stream plus the side tasks): a count that only grows is a leak.",
             registry=r,
         )
         self.endpoints = Gauge(
@@ -289,8 +304,12 @@ class PickerMetrics:
         self.registry.register(_PluginGauges(source))
 
     def model_label(self, model: str) -> str:
-        """``model`` as a label value, or ``other`` once the cap of distinct models is reached."""
+        """``model`` as a label value (see :func:`label_value`), or ``other`` once the cap of
+        distinct models is reached."""
         seen = self._model_labels
+        if model in seen:
+            return model
+        model = label_value(model)
         if model in seen:
             return model
         if len(seen) >= MAX_MODEL_LABELS:
@@ -300,6 +319,21 @@ class PickerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def label_value(text: str, max_chars: int = MAX_LABEL_CHARS) -> str:
+    """``text`` as a label value every exposition format can carry.
+
+    At most ``max_chars`` characters; a character that is not printable (lone surrogates,
+    control characters such as NUL or CR, line and paragraph separators) becomes U+FFFD. The
+    exposition escapes backslashes, quotes and newlines itself, but it cannot encode a lone
+    surrogate at all, and a raw control character confuses scrapers.
+    """
+    if len(text) > max_chars:
+        text = text[:max_chars]
+    if text.isprintable():  # fast path: every ordinary name
+        return text
+    return "".join(c if c.isprintable() else _REPLACEMENT for c in text)
 
 
 class _PluginGauges(Collector):

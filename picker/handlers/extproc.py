@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
@@ -123,6 +124,7 @@ class RequestStream:
         self._resume_end_of_stream = True
         self._trailers_after_pick = False
         self._pending = False
+        self._request_id: str | None = None
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -165,9 +167,16 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
+        """The request's id: the parsed request's, else the header's, else one made up here
+        (once), so that every error the client sees can be found in the logs."""
         if self.request is not None:
             return self.request.request_id
-        return self.headers.get(REQUEST_ID_HEADER, "") or "-"
+        request_id = self.headers.get(REQUEST_ID_HEADER, "")
+        if not request_id:
+            if self._request_id is None:
+                self._request_id = str(uuid.uuid4())
+            request_id = self._request_id
+        return request_id
 
     def _internal_error(self) -> InternalError:
         """Log the exception being handled; the client gets the request id only."""
@@ -353,9 +362,14 @@ class RequestStream:
         self.metrics.requests.labels(self.metrics.model_label(self.model), error.reason).inc()
         if self.trace is not None:
             self.trace.set("kv_picker.outcome", error.reason)
-        if error.status >= 500 and not isinstance(error, OverloadedError):
-            # (Shed requests are counted, not logged: a log line each would add to the load.)
-            log.warning("request failed: %s", error.message)
+        if error.status >= 500:
+            request_id = self.request_id
+            if not isinstance(error, OverloadedError):
+                # (Shed requests are counted, not logged: a log line each would add to the load.)
+                log.warning("request %s failed: %s", request_id, error.message)
+            if request_id not in error.message:
+                # Our own words only (never an exception's), and the id to find the log line.
+                error.message = f"{error.message} (request id {request_id})"
         self.closed = True
         return responses.immediate_error(error)
 

@@ -375,3 +375,28 @@ def test_no_pending_bound_when_it_is_zero() -> None:
     for stream in streams:
         assert run(stream, headers_message()) == []
     assert director.pending == 600
+def test_a_protocol_error_without_a_request_id_still_names_one() -> None:
+    director = make_director()
+    stream = RequestStream(director)
+    (response,) = run(stream, body_message(BODY))  # a body before any headers
+    assert response.immediate_response.status.code == 500
+    message = json.loads(response.immediate_response.body)["error"]["message"]
+    assert f"(request id {stream.request_id})" in message
+    assert len(stream.request_id) == 36  # made up here, a UUID, the same in the log line
+
+
+def test_a_bug_in_parsing_is_a_500_with_the_request_id_only() -> None:
+    director = make_director()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+
+    director.parse = broken  # type: ignore[method-assign]
+    (response,) = run(
+        RequestStream(director),
+        headers_message(extra=[("x-request-id", "req-7")]),
+        body_message(BODY),
+    )
+    body = response.immediate_response.body.decode()
+    assert response.immediate_response.status.code == 500
+    assert "req-7" in body and "4300" not in body and "ValueError" not in body
