@@ -367,8 +367,9 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
         19000,
         9002,
         body_mode=envoy_values["bodyMode"],
-        failure_mode_allow=fail_open,
         max_body_bytes=envoy_values["maxBodyBytes"],
+        failure_mode="FailOpen" if fail_open else "FailClose",
+        pool_endpoints=["10.0.0.1:8000"] if fail_open else (),
     )
 
     def listener(config: dict[str, Any]) -> dict[str, Any]:
@@ -384,6 +385,10 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
 
     assert manager(chart)["http_filters"] == manager(stack)["http_filters"]
     assert manager(chart)["route_config"] == manager(stack)["route_config"]
+    # FailOpen: a client's destination header removed first, the fallback route to the pool.
+    assert manager(chart).get("early_header_mutation_extensions") == manager(stack).get(
+        "early_header_mutation_extensions"
+    )
     assert (
         listener(chart)["per_connection_buffer_limit_bytes"]
         == listener(stack)["per_connection_buffer_limit_bytes"]
@@ -404,6 +409,28 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
     assert headless["spec"]["clusterIP"] == "None"
     assert address["address"] == f"gw-kv-picker-pods.{NAMESPACE}.svc.cluster.local"
     assert address["port_value"] == values.get("grpc", {}).get("port", 9002)
+    # A dead picker is seen before a body is handed to it (FailOpen), as in the local stack.
+    for key in ("health_checks", "outlier_detection", "common_lb_config"):
+        assert ext_proc.get(key) == stack_ext_proc.get(key), key
+    names = {c["name"] for c in chart["static_resources"]["clusters"]}
+    if not fail_open:
+        assert "pool_fallback_cluster" not in names
+        assert not [m for m in manifests if m["metadata"]["name"] == "gw-kv-picker-pool"]
+        return
+    fallback, stack_fallback = cluster(chart, "pool_fallback_cluster"), cluster(
+        stack, "pool_fallback_cluster"
+    )
+    for key in ("lb_policy", "health_checks", "circuit_breakers"):
+        assert fallback[key] == stack_fallback[key], key
+    pool = find(manifests, "Service", "gw-kv-picker-pool")
+    assert pool["spec"]["clusterIP"] == "None"
+    assert pool["spec"]["selector"] == {"app": "vllm"}
+    (target,) = fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    socket = target["endpoint"]["address"]["socket_address"]
+    assert socket == {
+        "address": f"gw-kv-picker-pool.{NAMESPACE}.svc.cluster.local",
+        "port_value": 8000,
+    }
 
 
 def _envoy_validate(config: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:

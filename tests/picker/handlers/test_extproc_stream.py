@@ -375,6 +375,8 @@ def test_no_pending_bound_when_it_is_zero() -> None:
     for stream in streams:
         assert run(stream, headers_message()) == []
     assert director.pending == 600
+
+
 def test_a_protocol_error_without_a_request_id_still_names_one() -> None:
     director = make_director()
     stream = RequestStream(director)
