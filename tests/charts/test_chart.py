@@ -417,8 +417,9 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
         assert "pool_fallback_cluster" not in names
         assert not [m for m in manifests if m["metadata"]["name"] == "gw-kv-picker-pool"]
         return
-    fallback, stack_fallback = cluster(chart, "pool_fallback_cluster"), cluster(
-        stack, "pool_fallback_cluster"
+    fallback, stack_fallback = (
+        cluster(chart, "pool_fallback_cluster"),
+        cluster(stack, "pool_fallback_cluster"),
     )
     for key in ("lb_policy", "health_checks", "circuit_breakers"):
         assert fallback[key] == stack_fallback[key], key

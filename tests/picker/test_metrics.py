@@ -46,6 +46,8 @@ FROM_CONFIG_OR_FIXED = {
     "reason",
     "cause",
     "operation",
+    "resource",  # the Kubernetes kinds discovery watches (pods, inferencepools)
+    "port",  # which TLS port reloaded its certificates (grpc, admin)
 }
 
 
