@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
 from kv_picker.wire import DESTINATION_HEADER
 from kv_picker_bench.client import Outcome, percentile, replay
 from kv_picker_bench.localstack import (
@@ -121,23 +122,14 @@ def _summarise(
 TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
 
 
-def precise_profile() -> dict[str, object]:
-    """The default profile with the prefix scorer in precise mode (KV events, a tokenizer)."""
-    return {
-        "plugins": [
-            {"type": "prefix-cache-scorer",
-             "parameters": {"mode": "precise", "tokenizer": str(TOKENIZER)}},
-            {"type": "queue-scorer"},
-            {"type": "kv-cache-utilization-scorer"},
-            {"type": "active-request-scorer"},
-        ],
-        "schedulingProfiles": [{"name": "default", "plugins": [
-            {"pluginRef": "prefix-cache-scorer", "weight": 3},
-            {"pluginRef": "queue-scorer"},
-            {"pluginRef": "kv-cache-utilization-scorer"},
-            {"pluginRef": "active-request-scorer"},
-        ]}],
-    }  # fmt: skip
+def precise_profile() -> dict[str, Any]:
+    """The built-in default profile with its prefix scorer in precise mode (KV events, the
+    shipped tokenizer)."""
+    plugins = [dict(p) for p in DEFAULT_PLUGINS]
+    for plugin in plugins:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"] = {"mode": "precise", "tokenizer": str(TOKENIZER)}
+    return {"plugins": plugins, "schedulingProfiles": [dict(DEFAULT_PROFILE)]}
 
 
 def run(
@@ -150,14 +142,16 @@ def run(
     mode: str = "approximate",
     event_loop: str = "asyncio",
     processing_modes: Sequence[str] = MODES,
+    scraper: str = "process",
 ) -> list[dict[str, object]]:
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
     precise = mode == "precise"
     stack_options: dict[str, Any] = (
         {"picker_config": precise_profile(), "kv_events": True, "tokenizer": TOKENIZER}
         if precise
-        else {}
+        else {"picker_config": {}}
     )
+    stack_options["picker_config"]["metrics"] = {"scraper": scraper}
     picker_args = ("--event-loop", event_loop)
     with LocalStack(
         sims=endpoints,
@@ -290,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(MODES),
         help="comma list of Envoy processing modes: streamed, buffered, gie (all)",
     )
+    parser.add_argument(
+        "--scraper",
+        choices=("process", "inline"),
+        default="process",
+        help="the picker's metrics.scraper: in a child process (the default) or on its loop",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
     try:
@@ -312,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.mode,
         args.event_loop,
         modes,
+        args.scraper,
     )
     print()
     print(format_rows(rows))
