@@ -641,6 +641,8 @@ class LocalStack:
             "grpcPort": self.picker_grpc_port,
             "metricsPort": self.picker_metrics_port,
             "admin": {"host": "127.0.0.1", "port": self.picker_admin_port},
+            # FailOpen: Envoy health-checks the picker every second; a SIGTERM lets it notice.
+            **({"shutdownDelay": "1500ms"} if self.failure_mode == "FailOpen" else {}),
             **config.get("server", {}),
         }
         if self.discovery is not None:

@@ -228,6 +228,19 @@ class PickerApp:
             len(self.store),
         )
 
+    async def drain(self, delay_s: float) -> None:
+        """Report NOT_SERVING on the health service, and keep serving for ``delay_s``.
+
+        A gateway that health-checks the picker (the FailOpen Envoy config does, every second)
+        then stops opening streams to it before :meth:`stop` refuses them: a stream refused
+        after its body was handed over fails with a 500 even with ``failure_mode_allow``.
+        """
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if delay_s > 0:
+            log.info("not serving; stopping in %.1f s", delay_s)
+            await asyncio.sleep(delay_s)
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
         if self._health is not None:
@@ -389,4 +402,5 @@ async def serve(config_path: str | None, config: PickerConfig) -> None:
     await app.start()
     await stop.wait()
     log.info("shutting down")
+    await app.drain(app.config.server.shutdown_delay_s)
     await app.stop()

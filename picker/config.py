@@ -7,7 +7,7 @@ sections:
 ```yaml
 apiVersion: kv-picker.io/v1alpha1        # or llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
-server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608,
+server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608, shutdownDelay: 0s,
          tls: {certPath: ..., keyPath: ..., clientCAPath: ...},   # clientCAPath: mutual TLS
          admin: {host: 127.0.0.1, port: 9004, tls: {...}}}       # kvpicker.v1.Admin
 endpoints:                               # static discovery
@@ -65,6 +65,7 @@ from kv_picker.decode import (
     Check,
     Duration,
     FieldError,
+    NonNegative,
     Port,
     Positive,
     Range,
@@ -188,6 +189,11 @@ class ServerConfig:
     max_body_bytes: Annotated[int, Positive] = 8 * 1024 * 1024
     tls: TLSConfig | None = None
     admin: AdminConfig = field(default_factory=AdminConfig)
+    # On SIGTERM: report NOT_SERVING this long while still serving, so gateways that health-check
+    # the picker stop sending before it stops taking streams; then drain.
+    shutdown_delay_s: Annotated[Duration, NonNegative] = field(
+        default=0.0, metadata=key("shutdownDelay")
+    )
 
 
 def _absolute_path(path: str) -> bool:

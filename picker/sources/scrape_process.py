@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -264,6 +265,11 @@ class _Child:
 
 
 def main() -> int:
+    # The picker's signals are for the picker: a SIGTERM to its process group must not end the
+    # scraping before the picker drains. The child ends when the picker closes its stdin (or
+    # dies, which closes it too).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
         asyncio.run(_Child().main())
     return 0

@@ -197,3 +197,64 @@ def test_explain_infers_the_chat_path(tmp_path: Path) -> None:
     result = kv_picker("explain", "--config", str(config), "--request", str(request), timeout_s=30)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kind"] == "chat"
+
+
+def test_sigterm_reports_not_serving_and_keeps_serving_for_the_shutdown_delay(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = free_port()
+    config = tmp_path / "picker.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "server": {
+                    "host": "127.0.0.1",
+                    "grpcPort": port,
+                    "metricsPort": 0,
+                    "admin": {"port": 0},
+                    "shutdownDelay": "1500ms",
+                },
+                "endpoints": [{"address": "127.0.0.1:9"}],
+            }
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_picker", "serve", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def health() -> int:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            return int(reply.status)
+
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # bounded: the process logs its start within seconds
+            if "serving ext_proc" in line:
+                break
+        assert health() == health_pb2.HealthCheckResponse.SERVING
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        # Still answering on its port (new streams are taken), but telling checkers to go away.
+        assert health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert process.poll() is None
+        assert process.wait(timeout=15) == 0
+        assert time.monotonic() - signalled >= 1.5
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+        if process.stdout is not None:
+            process.stdout.close()
