@@ -214,6 +214,19 @@ def envoy_bootstrap(
                     "name": "ext_proc",
                     "type": "STATIC",
                     "connect_timeout": "5s",
+                    # Envoy's default circuit breaker allows 1,024 concurrent streams per
+                    # cluster; past it an ext_proc stream fails at once and the client gets a
+                    # 500. The picker bounds its own backlog (admission.maxPendingRequests,
+                    # answered 503 with a reason), so Envoy's bound must sit above it.
+                    "circuit_breakers": {
+                        "thresholds": [
+                            {
+                                "max_connections": 40000,
+                                "max_pending_requests": 40000,
+                                "max_requests": 40000,
+                            }
+                        ]
+                    },
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."

@@ -410,7 +410,7 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
     assert address["address"] == f"gw-kv-picker-pods.{NAMESPACE}.svc.cluster.local"
     assert address["port_value"] == values.get("grpc", {}).get("port", 9002)
     # A dead picker is seen before a body is handed to it (FailOpen), as in the local stack.
-    for key in ("health_checks", "outlier_detection", "common_lb_config"):
+    for key in ("health_checks", "outlier_detection", "common_lb_config", "circuit_breakers"):
         assert ext_proc.get(key) == stack_ext_proc.get(key), key
     names = {c["name"] for c in chart["static_resources"]["clusters"]}
     if not fail_open:
