@@ -317,9 +317,9 @@ class PickerApp:
                 self.config_path,
             )
         if config.metrics != self.config.metrics:
-            self.scraper.interval_s = config.metrics.scrape_interval_s
-            self.scraper.timeout_s = config.metrics.timeout_s
-            self.scraper.path = config.metrics.path
+            self.scraper.configure(
+                config.metrics.scrape_interval_s, config.metrics.timeout_s, config.metrics.path
+            )
             self.ctx.metrics_staleness_s = config.metrics.staleness_s
             if config.metrics.scraper != self.config.metrics.scraper:
                 log.warning(

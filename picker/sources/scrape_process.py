@@ -31,7 +31,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -48,7 +48,6 @@ from kv_picker.state.endpoints import LoraState
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0
-_SETTINGS_POLL_S = 0.5
 
 
 class ProcessScraper(MetricsScraper):
@@ -65,6 +64,12 @@ class ProcessScraper(MetricsScraper):
         # Tokens name endpoints to the child: one per Endpoint object, never reused.
         self._tokens: dict[int, tuple[Endpoint, int]] = {}
         self._next_token = 0
+        self._send: Callable[[], None] | None = None  # the running child's feed
+
+    def configure(self, interval_s: float, timeout_s: float, path: str) -> None:
+        super().configure(interval_s, timeout_s, path)
+        if self._send is not None:
+            self._send()
 
     async def run(self) -> None:
         while True:
@@ -104,22 +109,15 @@ class ProcessScraper(MetricsScraper):
                 sent[:] = message
                 stdin.write(json.dumps(message).encode() + b"\n")
 
-        async def follow_settings() -> None:  # a reload changes them in place
-            while True:
-                await asyncio.sleep(_SETTINGS_POLL_S)
-                send()
-
         subscription = self.store.on_change(send)
-        settings = asyncio.create_task(follow_settings())
+        self._send = send
         try:
             send()
             while line := await stdout.readline():
                 self._apply(line, tokens)
         finally:
             subscription.cancel()
-            settings.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await settings
+            self._send = None
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()

@@ -144,6 +144,10 @@ class MetricsScraper:
         self.rounds = 0
         self._session: aiohttp.ClientSession | None = None
 
+    def configure(self, interval_s: float, timeout_s: float, path: str) -> None:
+        """New settings (a config reload); the next scrapes use them."""
+        self.interval_s, self.timeout_s, self.path = interval_s, timeout_s, path
+
     async def run(self) -> None:
         """Scrape forever, staggered over the interval (cancel the task to stop)."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

@@ -160,7 +160,7 @@ async def test_reload_settings_reach_the_child(endpoints: Endpoints) -> None:
         (good,) = store.all()
         await wait_for(lambda: scraper.rounds >= 2, "rounds")
         assert not store.ready[good.id]  # 404 on that path
-        scraper.path = "/metrics"  # what PickerApp.reload does
+        scraper.configure(0.05, 1.0, "/metrics")  # what PickerApp.reload does
         await wait_for(lambda: store.ready[good.id], "the new path used")
     finally:
         task.cancel()
