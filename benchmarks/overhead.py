@@ -72,7 +72,7 @@ def _direct_envoy(stack: LocalStack) -> tuple[ManagedProcess, int]:
     bootstrap = envoy_bootstrap(port, admin, ext_proc_port=0)
     # Same listener and ORIGINAL_DST cluster, no ext_proc filter: the client picks.
     filters = _http_filters(bootstrap)
-    del filters[0]
+    filters[:] = [f for f in filters if f["name"] == "envoy.filters.http.router"]
     bootstrap["static_resources"]["clusters"] = bootstrap["static_resources"]["clusters"][:1]
     process = stack.launch_envoy("envoy-direct", bootstrap, admin)
     return process, port
@@ -83,7 +83,10 @@ def mode_bootstrap(mode: str, port: int, admin: int, ext_proc_port: int) -> dict
     body_mode = "BUFFERED" if mode == "buffered" else "FULL_DUPLEX_STREAMED"
     bootstrap = envoy_bootstrap(port, admin, ext_proc_port, body_mode)
     if mode != "gie":
-        processing = _http_filters(bootstrap)[0]["typed_config"]["processing_mode"]
+        (ext_proc,) = [
+            f for f in _http_filters(bootstrap) if f["name"] == "envoy.filters.http.ext_proc"
+        ]
+        processing = ext_proc["typed_config"]["processing_mode"]
         processing.update(
             response_header_mode="SKIP",
             response_body_mode="NONE",

@@ -24,10 +24,29 @@ their headers and their pick (bodies arriving, parsing, scheduling). A request t
 that many wait gets 503 ``overloaded`` at once, before its body is read: past what one process
 can schedule, answering fast keeps the latency of the admitted requests bounded instead of
 letting every request queue behind all the others.
+
+The wait before the picker sees a request: a backlog forms mostly where the pending count cannot
+see it, in gRPC's buffers and the event loop's ready queue, before a stream's headers reach the
+handler. So the gateway stamps each request as it arrives (the generated Envoy configs set
+``x-request-start: t=<microseconds since the epoch>`` from ``%START_TIME%``, overwriting any
+client value), and :class:`QueueDelayGate` sheds on the time that stamp says the request waited,
+with the rule of CoDel as used for server queues: while there is no standing queue a request
+may have waited up to ``queueDelayInterval`` (100 ms; a burst drains); once even the smallest
+wait over an interval exceeds ``queueDelayTarget`` (5 ms), a request that waited longer than the
+target gets 503 ``overloaded`` at its headers, before its body is read, until an interval's
+smallest wait is under half the target (the queue drained). Admitted requests then wait about
+the target at most before the picker sees them, and the ones shed cost the picker one message
+each (which is not nothing: see the README's overload figures).
+
+Clocks: the wait is the stamp's age less the smallest age seen over the last minute, so a
+gateway whose clock is ahead or behind the picker's by any constant does not shift the
+threshold (a steady overload longer than that minute raises the floor by at most the smallest
+wait the gate lets through). Without the header (a gateway that does not stamp) the gate is off.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -60,6 +79,16 @@ class AdmissionConfig:
         "x-kv-picker-priority"
     )
     max_pending_requests: Annotated[int, Range(ge=0)] = 512
+    # 0 turns the queue-delay gate off.
+    queue_delay_target_s: Annotated[Duration, Range(ge=0)] = field(
+        default=0.005, metadata=key("queueDelayTarget")
+    )
+    queue_delay_interval_s: Annotated[Duration, Positive] = field(
+        default=0.1, metadata=key("queueDelayInterval")
+    )
+    request_start_header: Annotated[
+        str, Check(_header_name, "must be a lower-case header name")
+    ] = "x-request-start"
     objectives: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
     model_priorities: Mapping[str, int] = field(default_factory=dict, metadata=INTERNAL)
 
@@ -132,3 +161,74 @@ class Admission:
                 f"(priority {request.priority})"
             )
         return saturation
+
+
+def parse_request_start(value: str) -> float | None:
+    """Seconds since the epoch from an ``x-request-start`` value, or None if it is not one.
+
+    Accepted: ``t=`` followed by a number, or the number alone, in microseconds, milliseconds or
+    seconds (told apart by size, as load balancers and APM agents that use this header do).
+    """
+    text = value.strip()
+    if text.startswith("t="):
+        text = text[2:]
+    if not text or len(text) > 32:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(number) or number <= 0:
+        return None
+    if number > 1e14:
+        return number / 1e6
+    if number > 1e11:
+        return number / 1e3
+    return number
+
+
+class QueueDelayGate:
+    """Sheds requests that waited too long before the picker saw them (see the module docstring).
+
+    Sans I/O: ``now_s`` is passed in (wall-clock seconds, the clock the gateway's stamp uses).
+    """
+
+    _BASE_BUCKET_S = 30.0  # the clock-offset floor is the minimum over two such buckets
+
+    def __init__(self) -> None:
+        self.overloaded = False  # the last complete interval had a standing queue
+        self._window_end_s = 0.0
+        self._window_min_s = math.inf
+        self._base_bucket_end_s = 0.0
+        self._base_current_s = math.inf
+        self._base_previous_s = math.inf
+
+    def wait_s(self, started_s: float, now_s: float) -> float:
+        """How long a request stamped at ``started_s`` waited, clock offset removed (>= 0)."""
+        age = now_s - started_s
+        if now_s >= self._base_bucket_end_s:
+            recent = now_s < self._base_bucket_end_s + self._BASE_BUCKET_S
+            self._base_previous_s = self._base_current_s if recent else math.inf
+            self._base_current_s = math.inf
+            self._base_bucket_end_s = now_s + self._BASE_BUCKET_S
+        if age < self._base_current_s:
+            self._base_current_s = age
+        return age - min(self._base_current_s, self._base_previous_s)
+
+    def admit(self, wait_s: float, now_s: float, target_s: float, interval_s: float) -> bool:
+        """Whether a request that waited ``wait_s`` may enter."""
+        if now_s >= self._window_end_s:
+            # The interval that ended had a standing queue when even its smallest wait was
+            # long; the queue is gone when one wait was well under the target (half of it), and
+            # in between the state holds. The gap keeps a queue held near the target from
+            # counting as drained, which would let the next interval's waits grow to its end.
+            smallest = self._window_min_s
+            if now_s >= self._window_end_s + interval_s or smallest < target_s / 2:
+                self.overloaded = False  # (an idle gap says nothing about now)
+            elif smallest > target_s:
+                self.overloaded = True
+            self._window_min_s = math.inf
+            self._window_end_s = now_s + interval_s
+        if wait_s < self._window_min_s:
+            self._window_min_s = wait_s
+        return wait_s <= (target_s if self.overloaded else interval_s)

@@ -23,7 +23,7 @@ import random
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
-from kv_picker.admission import Admission
+from kv_picker.admission import Admission, QueueDelayGate
 from kv_picker.config import PickerConfig
 from kv_picker.endpoint import Endpoint
 from kv_picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
@@ -152,6 +152,8 @@ class Director:
         self.admission = Admission(config.admission, store, config.metrics.staleness_s)
         # Streams whose headers arrived and that are not routed yet (see admission.py).
         self.pending = 0
+        # Kept across reloads: its state is about the load, not the config.
+        self.queue_gate = QueueDelayGate()
         # Set by the app when tracing is configured; None costs one test per stage.
         self.tracer: RequestTracer | None = None
 

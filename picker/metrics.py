@@ -139,6 +139,14 @@ class PickerMetrics:
             "admission.maxPendingRequests).",
             registry=r,
         )
+        self.queue_delay = Histogram(
+            "kv_picker_request_queue_delay_seconds",
+            "How long requests waited between the gateway's x-request-start stamp and the "
+            "picker's handler (gRPC buffers, the event loop), clock offset removed; measured "
+            "when the gateway stamps requests (admission.queueDelayTarget sheds on it).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+            registry=r,
+        )
         self.asyncio_tasks = Gauge(
             "kv_picker_asyncio_tasks",
             "asyncio tasks alive in the picker's event loop, read at each scrape (one per open "

@@ -42,6 +42,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 
+from kv_picker.admission import parse_request_start
 from kv_picker.director import Director, RoutedRequest
 from kv_picker.endpoint import Endpoint
 from kv_picker.errors import (
@@ -206,6 +207,27 @@ class RequestStream:
         director.pending += 1
         self._pending = True
 
+    def _check_queue_delay(self) -> None:
+        """Shed this request if it waited too long before reaching the picker (admission.py)."""
+        config = self.director.config.admission
+        raw = self.headers.get(config.request_start_header)
+        if raw is None:
+            return
+        started_s = parse_request_start(raw)
+        if started_s is None:
+            return
+        now_s = time.time()
+        gate = self.director.queue_gate
+        wait_s = gate.wait_s(started_s, now_s)
+        self.metrics.queue_delay.observe(wait_s)
+        target_s = config.queue_delay_target_s
+        if target_s > 0 and not gate.admit(wait_s, now_s, target_s, config.queue_delay_interval_s):
+            raise OverloadedError(
+                f"kv-picker is overloaded: this request waited {wait_s * 1000:.1f} ms before the "
+                f"picker saw it, while requests keep waiting longer than "
+                f"admission.queueDelayTarget ({target_s * 1000:g} ms)"
+            )
+
     def _leave_pending(self) -> None:
         if self._pending:
             self._pending = False
@@ -223,6 +245,7 @@ class RequestStream:
                 header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
             )
             self.headers[header.key.lower()] = value
+        self._check_queue_delay()
         if self.director.tracer is not None and not message.end_of_stream:
             self.trace = self.director.tracer.start(self.headers)
         if message.end_of_stream:

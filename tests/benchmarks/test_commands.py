@@ -127,6 +127,8 @@ def test_overload_benchmark_smoke(tmp_path: Path) -> None:
         "1",
         "--bounds",
         "8,0",
+        "--queue-delays",
+        "5",
         "--factors",
         "0.5",
         "--out",
@@ -137,10 +139,18 @@ def test_overload_benchmark_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "overload.json").read_text())
     assert report["capacity_per_s"] > 0 and report["unloaded_p99_ms"] > 0
     steps = report["steps"]
-    assert [(s["bound"], s["factor"]) for s in steps] == [(8, 0.5), (0, 0.5)]
+    assert [(s["bound"], s["queue_delay_target_ms"], s["factor"]) for s in steps] == [
+        (8, 5.0, 0.5),
+        (0, 5.0, 0.5),
+    ]
     for step in steps:
         assert step["served_per_s"] > 0 and step["failed"] == 0
         assert step["p99_ratio_to_unloaded"] == pytest.approx(
             step["p99_ms"] / report["unloaded_p99_ms"]
         )
-    assert "| maxPendingRequests |" in result.stdout
+        # Envoy's access log: what was added before the endpoint, within the client's latency.
+        assert 0 < step["added_p50_ms"] <= step["added_p99_ms"] < step["p99_ms"]
+        assert step["added_p99_ratio_to_unloaded"] == pytest.approx(
+            step["added_p99_ms"] / report["unloaded_added_p99_ms"]
+        )
+    assert "| maxPendingRequests | queueDelayTarget |" in result.stdout

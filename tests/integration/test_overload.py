@@ -1,9 +1,13 @@
-"""Past admission.maxPendingRequests, a request gets a fast 503 through real Envoy."""
+"""Past admission.maxPendingRequests, or after waiting too long in front of the picker, a
+request gets a fast 503 through real Envoy."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -69,3 +73,48 @@ def test_a_request_past_the_bound_is_shed_and_the_held_one_still_served(
         assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     assert post(bounded.url + "/v1/completions", BODY).status == 200
     assert pending(bounded) == 0
+
+
+def queue_delay_count(stack: LocalStack) -> float:
+    text = http_get(f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")[1].decode()
+    for line in text.splitlines():
+        if line.startswith("kv_picker_request_queue_delay_seconds_count "):
+            return float(line.split()[1])
+    raise AssertionError("no kv_picker_request_queue_delay_seconds in /metrics")
+
+
+def test_requests_that_waited_before_reaching_a_stalled_picker_are_shed() -> None:
+    """Envoy stamps x-request-start (over any client value); the picker sheds what waited."""
+    with LocalStack(sims=2, time_scale=0.02) as local:
+        url = local.url + "/v1/completions"
+        for _ in range(3):
+            assert post(url, BODY).status == 200
+        # A client's own stamp is replaced by Envoy's: it would not parse, yet it is measured.
+        assert post(url, BODY, headers={"x-request-start": "t=soon"}).status == 200
+        assert queue_delay_count(local) == 4
+        assert local.picker is not None
+        pid = local.picker.process.pid
+        replies: list[int | str] = []
+
+        def send() -> None:
+            reply = post(url, BODY)
+            replies.append(
+                reply.status
+                if reply.status == 200
+                else reply.headers.get(DROPPED_REASON_HEADER, str(reply.status))
+            )
+
+        os.kill(pid, signal.SIGSTOP)  # the picker stalls: requests queue in front of it
+        try:
+            senders = [threading.Thread(target=send) for _ in range(4)]
+            for sender in senders:
+                sender.start()
+            time.sleep(0.6)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for sender in senders:
+            sender.join(30)
+        # Each waited over half a second, past the 100 ms interval: shed, not served late.
+        assert replies == ["overloaded"] * 4
+        time.sleep(0.3)
+        assert [post(url, BODY).status for _ in range(3)] == [200] * 3
