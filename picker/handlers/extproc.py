@@ -89,7 +89,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     await stream.preparing
                     for response in stream.resume():
                         yield response
-                if stream.closed:
+                if stream.closed or stream.complete:
+                    # Ending the stream first, with our status, rather than waiting for Envoy to
+                    # close it: when Envoy's filter goes away before the status is sent, grpcio's
+                    # asyncio server fails that last batch and leaks its operations (about 100
+                    # bytes a stream; grpc/grpc#43360).
                     return
         finally:
             stream.close()
@@ -117,6 +121,9 @@ class RequestStream:
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
+        # The response has ended (its last body chunk, its trailers, or headers ending it):
+        # Envoy sends nothing more, and the picker ends the stream itself (see Process).
+        self.complete = False
         # With tracing on (kv_picker.tracing): the request's spans, and the open prepare span.
         self.trace: RequestTrace | None = None
         self._prepare_span: Any = None
@@ -151,6 +158,7 @@ class RequestStream:
                 yield from self._response_body(message.response_body)
             elif kind == "response_trailers":
                 self._finish()
+                self.complete = True
                 yield responses.CONTINUE_TRAILERS_RESPONSE
         except PickerError as error:
             yield self._fail(error)
@@ -427,6 +435,7 @@ class RequestStream:
             yield responses.CONTINUE_HEADERS_RESPONSE
         if message.end_of_stream:
             self._finish()
+            self.complete = True
 
     def _response_body(self, message: pb.HttpBody) -> Iterator[pb.ProcessingResponse]:
         if message.body and not self.first_byte_seen:
@@ -453,6 +462,7 @@ class RequestStream:
             yield responses.CONTINUE_BODY_RESPONSE
         if message.end_of_stream:
             self._finish()
+            self.complete = True
 
     def _finish(self) -> None:
         # Only a routed request has anything to release; release it exactly once.

@@ -402,3 +402,56 @@ def test_a_bug_in_parsing_is_a_500_with_the_request_id_only() -> None:
     body = response.immediate_response.body.decode()
     assert response.immediate_response.status.code == 500
     assert "req-7" in body and "4300" not in body and "ValueError" not in body
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True)),
+        pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=True)),
+    ],
+    ids=["last-body-chunk", "trailers", "headers-only"],
+)
+def test_the_picker_ends_the_stream_once_the_response_has_ended(
+    last: pb.ProcessingRequest,
+) -> None:
+    """After the response's end Envoy sends nothing more; the servicer returns (sending its
+    status) instead of waiting for Envoy to close the stream."""
+    import asyncio
+
+    from kv_picker.handlers.extproc import ExternalProcessor
+
+    director = make_director()
+    messages = [headers_message(), body_message(BODY)]
+    if not last.HasField("response_headers"):
+        messages.append(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    messages.append(last)
+    still_open = asyncio.Event()
+
+    async def from_envoy():  # type: ignore[no-untyped-def]
+        for message in messages:
+            yield message
+        await still_open.wait()  # Envoy has not closed its side yet
+        raise AssertionError("the servicer read past the end of the response")
+
+    async def serve() -> list[pb.ProcessingResponse]:
+        replies = ExternalProcessor(director).Process(from_envoy(), None)
+        return [reply async for reply in replies]
+
+    replies = asyncio.run(asyncio.wait_for(serve(), 5))
+    assert destination(replies[0])
+    assert replies[-1].WhichOneof("response") in {
+        "response_body",
+        "response_trailers",
+        "response_headers",
+    }
+    assert sum(director.store.in_flight) == 0  # finished, and released
+
+
+def test_a_response_that_has_not_ended_keeps_the_stream_open() -> None:
+    stream = RequestStream(make_director())
+    run(stream, headers_message(), body_message(BODY))
+    run(stream, pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{", end_of_stream=False)))
+    assert not stream.complete and not stream.finished
