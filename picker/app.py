@@ -135,6 +135,8 @@ class PickerApp:
         self._grpc_server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
+        self.ready = False  # the pool is known (see _become_ready)
+        self.draining = False
         self._http_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._config_mtime_ns = self._mtime_ns()
@@ -177,8 +179,15 @@ class PickerApp:
         )
         await server.start()
         self._grpc_server = server
+        # Alive at once; ready (and routable for a health-checking gateway) once the pool is
+        # known: see _become_ready.
         for service in HEALTH_SERVICES:
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(
+                service,
+                health_pb2.HealthCheckResponse.SERVING
+                if service == "liveness"
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
         admin = config.server.admin
         if admin.enabled:
             admin_server = grpc.aio.server(
@@ -201,6 +210,7 @@ class PickerApp:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/healthz", self._healthz_handler)
+        app.router.add_get("/readyz", self._readyz_handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.metrics_port)
@@ -218,6 +228,7 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self.kv_subscriber.run(), name="kv-events"))
         if self.config_path is not None:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
+        self._tasks.append(asyncio.create_task(self._become_ready(), name="readiness"))
         log.info(
             "kv-picker serving ext_proc on %s:%d (%s), admin on %s, metrics on :%d, %d endpoints",
             config.server.host,
@@ -228,6 +239,27 @@ class PickerApp:
             len(self.store),
         )
 
+    async def _become_ready(self) -> None:
+        """Report ready once the picker knows its pool: discovery has listed it (when on), and
+        an endpoint answered a scrape or a scrape's time (timeout plus two intervals) has passed
+        without one. Until then a gateway that health-checks the picker (or Kubernetes, through
+        the readiness probe) sends it nothing, instead of requests it would answer 503 for want
+        of a known endpoint. A pool that is down gets the picker's own 503s, with their reason,
+        once that time has passed."""
+        if self.discovery is not None:
+            await self.discovery.synced.wait()
+        metrics = self.config.metrics
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + metrics.timeout_s + 2 * metrics.scrape_interval_s
+        while not self.store.ready_endpoints() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        self.ready = True
+        if self._health is not None:  # (ignored once draining)
+            for service in HEALTH_SERVICES:
+                await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("ready: %d of %d endpoints ready", len(self.store.ready_endpoints()),
+                 len(self.store))  # fmt: skip
+
     async def drain(self, delay_s: float) -> None:
         """Report NOT_SERVING on the health service, and keep serving for ``delay_s``.
 
@@ -235,6 +267,7 @@ class PickerApp:
         then stops opening streams to it before :meth:`stop` refuses them: a stream refused
         after its body was handed over fails with a 500 even with ``failure_mode_allow``.
         """
+        self.draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if delay_s > 0:
@@ -243,6 +276,7 @@ class PickerApp:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
+        self.draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._admin_server is not None:
@@ -366,6 +400,13 @@ class PickerApp:
     async def _healthz_handler(self, request: web.Request) -> web.Response:
         ready = len(self.store.ready_endpoints())
         return web.json_response({"endpoints": len(self.store), "ready": ready})
+
+    async def _readyz_handler(self, request: web.Request) -> web.Response:
+        """200 once ready (see :meth:`_become_ready`) and not draining, else 503."""
+        ready = self.ready and not self.draining
+        body = {"ready": ready, "draining": self.draining, "endpoints": len(self.store),
+                "endpointsReady": len(self.store.ready_endpoints())}  # fmt: skip
+        return web.json_response(body, status=200 if ready else 503)
 
 
 def _bind(

@@ -555,7 +555,8 @@ def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
     spec = find(manifests, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "tls", "secret": {"secretName": "picker-tls"}} in spec["volumes"]
     container = spec["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     config = load_picker_config(manifests, tmp_path)
     assert config.server.tls is not None
     assert config.server.tls.cert_path == "/etc/kv-picker/tls/tls.crt"

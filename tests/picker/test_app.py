@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import aiohttp.web
 import grpc
 import pytest
 import yaml
@@ -35,18 +36,85 @@ def write_config(path: Path, **overrides: object) -> Path:
     return path
 
 
-async def test_health_service_answers_every_name(tmp_path: Path) -> None:
-    path = write_config(tmp_path / "c.yaml")
+async def wait_until_ready(app: PickerApp, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if app.ready:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the picker never became ready")
+
+
+async def health_statuses(app: PickerApp) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {
+            service: (
+                await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            ).status
+            for service in HEALTH_SERVICES
+        }
+
+
+async def readyz(app: PickerApp) -> int:
+    url = f"http://127.0.0.1:{app.metrics_port}/readyz"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_alive_at_once_and_ready_once_the_pool_is_known(tmp_path: Path) -> None:
+    """With every endpoint unreachable the picker is ready after a scrape's time (timeout plus
+    two intervals): it then answers requests with its own 503s rather than not at all."""
+    path = write_config(tmp_path / "c.yaml", metrics={"scrapeInterval": "50ms", "timeout": "1s"})
     app = PickerApp(load_config(path, REGISTRY), REGISTRY)
     await app.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            for service in HEALTH_SERVICES:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        statuses = await health_statuses(app)
+        assert statuses.pop("liveness") == SERVING
+        assert set(statuses.values()) == {NOT_SERVING}  # "", readiness, the ext_proc service
+        assert await readyz(app) == 503
+        await wait_until_ready(app)
+        assert set((await health_statuses(app)).values()) == {SERVING}
+        assert await readyz(app) == 200
+        await app.drain(0)
+        assert await readyz(app) == 503
+        assert (await health_statuses(app))["readiness"] == NOT_SERVING
     finally:
         await app.stop(grace_s=0.5)
+
+
+async def test_ready_as_soon_as_an_endpoint_answers(tmp_path: Path) -> None:
+    async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(
+            text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
+            "vllm:kv_cache_usage_perc 0.1\n"
+        )
+
+    endpoint = aiohttp.web.Application()
+    endpoint.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(endpoint)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    # A 30 s scrape timeout: were readiness waiting it out, this test would time out.
+    path = write_config(
+        tmp_path / "c.yaml",
+        endpoints=[{"address": f"127.0.0.1:{port}"}],
+        metrics={"scrapeInterval": "50ms", "timeout": "30s"},
+    )
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    await app.start()
+    try:
+        await wait_until_ready(app, timeout_s=10.0)
+        assert len(app.store.ready_endpoints()) == 1
+        assert set((await health_statuses(app)).values()) == {SERVING}
+    finally:
+        await app.stop(grace_s=0.5)
+        await runner.cleanup()
 
 
 async def test_the_admin_api_has_its_own_port_on_loopback(tmp_path: Path) -> None:
@@ -183,6 +251,7 @@ async def test_tls_serving(tmp_path: Path) -> None:
     app = PickerApp(load_config(path, REGISTRY), REGISTRY)
     await app.start()
     try:
+        await wait_until_ready(app)
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{app.grpc_port}", credentials) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(

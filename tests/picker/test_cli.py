@@ -240,8 +240,8 @@ def test_sigterm_reports_not_serving_and_keeps_serving_for_the_shutdown_delay(
 
     try:
         assert process.stdout is not None
-        for line in process.stdout:  # bounded: the process logs its start within seconds
-            if "serving ext_proc" in line:
+        for line in process.stdout:  # bounded: the process logs its readiness within seconds
+            if "ready:" in line:  # (after a scrape's time: the only endpoint is unreachable)
                 break
         assert health() == health_pb2.HealthCheckResponse.SERVING
         signalled = time.monotonic()
