@@ -306,3 +306,30 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+async def test_not_ready_until_discovery_has_listed_the_pool(tmp_path: Path) -> None:
+    class Discovery:  # stands in for KubernetesDiscovery: listed when the test says so
+        def __init__(self) -> None:
+            self.synced = asyncio.Event()
+
+        async def connect(self) -> None:
+            pass
+
+        async def run(self) -> None:
+            await asyncio.Event().wait()
+
+    path = write_config(tmp_path / "c.yaml", metrics={"scrapeInterval": "50ms", "timeout": "200ms"})
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    discovery = Discovery()
+    app.discovery = discovery  # type: ignore[assignment]
+    await app.start()
+    try:
+        await asyncio.sleep(1.0)  # well past a scrape's time (0.3 s)
+        assert not app.ready
+        assert (await health_statuses(app))["readiness"] == NOT_SERVING
+        discovery.synced.set()
+        await wait_until_ready(app, timeout_s=5.0)
+        assert (await health_statuses(app))["readiness"] == SERVING
+    finally:
+        await app.stop(grace_s=0.5)
