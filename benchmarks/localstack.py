@@ -135,6 +135,8 @@ def envoy_bootstrap(
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
     bootstrap: dict[str, Any] = {
+        # A node identity: Envoy requires one for SDS (see picker_tls).
+        "node": {"id": "kv-picker-gateway", "cluster": "kv-picker-gateway"},
         "admin": {"address": socket_address(admin_port)},
         "static_resources": {
             "listeners": [
@@ -310,6 +312,78 @@ def request_start_stamp() -> dict[str, Any]:
             },
         },
     }
+
+
+SDS_CLIENT_CERTIFICATE = "picker_client_certificate"
+SDS_PICKER_CA = "picker_ca"
+
+
+def picker_tls(
+    tls_directory: str, sds_directory: str, sni: str, client_certificate: bool
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Envoy's TLS towards the picker, its files re-read when they change (no restart).
+
+    ``tls_directory`` holds ``ca.crt`` (verifies the picker) and, with ``client_certificate``,
+    ``tls.crt``/``tls.key`` (what Envoy presents to a picker that checks clients): a mounted
+    Kubernetes Secret, which the kubelet updates by swapping a ``..data`` link inside it.
+    Envoy re-reads certificate files only when they come through SDS, so the
+    ``UpstreamTlsContext`` names SDS secrets whose resources are files in ``sds_directory``
+    (a ConfigMap in the chart), each watching ``tls_directory`` for that swap.
+
+    Returns:
+        The transport socket, and the SDS files to write: file name -> document.
+    """
+    watch = {"path": tls_directory}
+
+    def source(name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "sds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": f"{sds_directory}/sds-{name}.yaml",
+                    "watched_directory": {"path": sds_directory},
+                },
+            },
+        }
+
+    def secret(name: str, **body: Any) -> dict[str, Any]:
+        kind = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+        return {"resources": [{"@type": kind, "name": name, **body}]}
+
+    context: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context_sds_secret_config": source(SDS_PICKER_CA),
+    }
+    files = {
+        f"sds-{SDS_PICKER_CA}.yaml": secret(
+            SDS_PICKER_CA,
+            validation_context={
+                "trusted_ca": {"filename": f"{tls_directory}/ca.crt"},
+                "watched_directory": watch,
+            },
+        )
+    }
+    if client_certificate:
+        context["tls_certificate_sds_secret_configs"] = [source(SDS_CLIENT_CERTIFICATE)]
+        files[f"sds-{SDS_CLIENT_CERTIFICATE}.yaml"] = secret(
+            SDS_CLIENT_CERTIFICATE,
+            tls_certificate={
+                "certificate_chain": {"filename": f"{tls_directory}/tls.crt"},
+                "private_key": {"filename": f"{tls_directory}/tls.key"},
+                "watched_directory": watch,
+            },
+        )
+    transport_socket = {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+            "UpstreamTlsContext",
+            "sni": sni,
+            "common_tls_context": context,
+        },
+    }
+    return transport_socket, files
 
 
 def early_header_removal() -> dict[str, Any]:

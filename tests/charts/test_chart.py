@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-val
 
 from kv_picker.config import PickerConfig, load_config  # noqa: E402
 from kv_picker.plugins import builtin_registry  # noqa: E402
-from kv_picker_bench.localstack import envoy_binary, envoy_bootstrap  # noqa: E402
+from kv_picker_bench.localstack import envoy_binary, envoy_bootstrap, picker_tls  # noqa: E402
 from tests.certificates import CertificateAuthority  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kv-picker"
@@ -449,14 +449,21 @@ def _envoy_validate(config: dict[str, Any], tmp_path: Path) -> subprocess.Comple
 def test_real_envoy_accepts_the_bundled_config(values: dict[str, Any], tmp_path: Path) -> None:
     values = copy.deepcopy(values)
     values.setdefault("envoy", {})["enabled"] = True
-    config = envoy_config(render(values))
-    # The TLS files the pod mounts from Secrets, made here so that Envoy can load them.
+    manifests = render(values)
+    config = envoy_config(manifests)
+    # The files the pod mounts (TLS from Secrets, SDS files from the ConfigMap), made here so
+    # that Envoy can load them.
     text = yaml.safe_dump(config)
-    if "/etc/envoy/tls/" in text:
+    if "/etc/envoy/" in text:
+        (tmp_path / "tls").mkdir()
         ca = CertificateAuthority("test CA")
-        ca.issue("envoy", server=False).write(tmp_path, "tls")
-        (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
-        config = yaml.safe_load(text.replace("/etc/envoy/tls/", f"{tmp_path}/"))
+        ca.issue("envoy", server=False).write(tmp_path / "tls", "tls")
+        (tmp_path / "tls" / "ca.crt").write_bytes(ca.cert_pem)
+        data = find(manifests, "ConfigMap", "gw-kv-picker-envoy")["data"]
+        for name, content in data.items():
+            if name.startswith("sds-"):
+                (tmp_path / name).write_text(content.replace("/etc/envoy", str(tmp_path)))
+        config = yaml.safe_load(text.replace("/etc/envoy", str(tmp_path)))
     result = _envoy_validate(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and would refuse a broken one.
@@ -538,14 +545,13 @@ def test_mutual_tls_mounts_the_client_ca_and_envoy_presents_its_certificate(
         for c in envoy_config(manifests)["static_resources"]["clusters"]
         if c["name"] == "ext_proc"
     ]
-    context = ext_proc["transport_socket"]["typed_config"]
-    assert context["common_tls_context"]["tls_certificates"] == [
-        {
-            "certificate_chain": {"filename": "/etc/envoy/tls/tls.crt"},
-            "private_key": {"filename": "/etc/envoy/tls/tls.key"},
-        }
-    ]
-    assert context["sni"] == f"gw-kv-picker.{NAMESPACE}.svc"
+    # Through file-based SDS over the mounted Secret, as the real-Envoy rotation test runs it
+    # (tests/integration/test_mtls.py): the same transport socket and SDS files.
+    sni = f"gw-kv-picker.{NAMESPACE}.svc"
+    transport_socket, sds_files = picker_tls("/etc/envoy/tls", "/etc/envoy", sni, True)
+    assert ext_proc["transport_socket"] == transport_socket
+    data = find(manifests, "ConfigMap", "gw-kv-picker-envoy")["data"]
+    assert {name: yaml.safe_load(data[name]) for name in sds_files} == sds_files
     envoy_spec = find(manifests, "Deployment", "gw-kv-picker-envoy")["spec"]["template"]["spec"]
     assert {"name": "tls", "secret": {"secretName": "envoy-client"}} in envoy_spec["volumes"]
 

@@ -4,6 +4,7 @@ another CA, is refused; new certificate files are taken without a restart."""
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import time
@@ -13,9 +14,16 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kv_picker_bench.localstack import LocalStack, envoy_bootstrap, free_port
+from kv_picker_bench.localstack import (
+    LocalStack,
+    envoy_bootstrap,
+    free_port,
+    http_get,
+    picker_tls,
+)
 from tests.certificates import CertificateAuthority
 from tests.integration.conftest import post
 
@@ -187,3 +195,92 @@ def test_rotated_files_are_taken_without_a_restart(stack: LocalStack, pki: Pki) 
     metrics = stack.picker_metrics_text()
     assert 'kv_picker_tls_reloads_total{port="grpc",result="applied"}' in metrics
     assert 'kv_picker_tls_reloads_total{port="grpc",result="rejected"} 1.0' in metrics
+
+
+class MountedSecret:
+    """A directory laid out as the kubelet mounts a Secret: each file a link through ``..data``,
+    which an update swaps atomically to a new timestamped directory."""
+
+    def __init__(self, directory: Path, files: dict[str, bytes]) -> None:
+        self.directory = directory
+        directory.mkdir()
+        self.version = 0
+        self.update(files)
+        for name in files:
+            (directory / name).symlink_to(f"..data/{name}")
+
+    def update(self, files: dict[str, bytes]) -> None:
+        self.version += 1
+        version = self.directory / f"..v{self.version}"
+        version.mkdir()
+        for name, content in files.items():
+            (version / name).write_bytes(content)
+        staged = self.directory / "..data_tmp"
+        staged.symlink_to(version.name)
+        staged.replace(self.directory / "..data")
+
+
+def envoy_serials(admin_port: int) -> set[str]:
+    """Serial numbers of the certificates Envoy holds (its admin /certs)."""
+    _, body = http_get(f"http://127.0.0.1:{admin_port}/certs")
+    return {
+        entry["serial_number"]
+        for certificate in json.loads(body)["certificates"]
+        for entry in certificate.get("cert_chain", [])
+    }
+
+
+def test_envoy_presents_a_renewed_client_certificate_without_a_restart(tmp_path: Path) -> None:
+    """The bundled Envoy's files (a mounted Secret) change: Envoy takes them through file-based
+    SDS, so a picker that only trusts the new issuer still serves it, Envoy never restarted."""
+    pki = Pki(tmp_path)
+    envoy_files = MountedSecret(
+        tmp_path / "envoy-tls",
+        {
+            "ca.crt": pki.ca.cert_pem,
+            "tls.crt": pki.envoy_cert.read_bytes(),
+            "tls.key": pki.envoy_key.read_bytes(),
+        },
+    )
+    sds_directory = tmp_path / "envoy-config"
+    sds_directory.mkdir()
+    transport_socket, sds_files = picker_tls(
+        str(envoy_files.directory), str(sds_directory), "localhost", client_certificate=True
+    )
+    for name, document in sds_files.items():
+        (sds_directory / name).write_text(yaml.safe_dump(document))
+    tls = {
+        "certPath": str(pki.server_cert),
+        "keyPath": str(pki.server_key),
+        "clientCAPath": str(pki.client_ca_path),
+    }
+    config = {"server": {"tls": tls}}
+    with LocalStack(sims=1, time_scale=0.02, start_envoy=False, picker_config=config) as local:
+        local.envoy_port, local.envoy_admin_port = free_port(), free_port()
+        bootstrap = envoy_bootstrap(
+            local.envoy_port, local.envoy_admin_port, local.picker_grpc_port
+        )
+        (ext_proc,) = [
+            c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "ext_proc"
+        ]
+        ext_proc["transport_socket"] = transport_socket
+        local.envoy = local.launch_envoy("envoy", bootstrap, local.envoy_admin_port)
+        envoy_pid = local.envoy.process.pid
+        body = {"model": local.model, "prompt": "before the renewal", "max_tokens": 2}
+        assert post(f"{local.url}/v1/completions", body).status == 200
+
+        # The client certificate is renewed by another issuer, and the picker trusts only it.
+        renewed = pki.rogue.issue("envoy renewed", server=False)
+        before = envoy_serials(local.envoy_admin_port)
+        envoy_files.update(
+            {"ca.crt": pki.ca.cert_pem, "tls.crt": renewed.cert_pem, "tls.key": renewed.key_pem}
+        )
+        deadline = time.monotonic() + 10
+        while envoy_serials(local.envoy_admin_port) == before:
+            assert time.monotonic() < deadline, "Envoy never took the renewed certificate"
+            time.sleep(0.05)
+        pki.replace(pki.client_ca_path, pki.rogue.cert_pem)
+        local.start_picker(config)  # new connections: a handshake with the renewed certificate
+        body = {"model": local.model, "prompt": "after the renewal", "max_tokens": 2}
+        assert post(f"{local.url}/v1/completions", body).status == 200
+        assert local.envoy.process.pid == envoy_pid
