@@ -21,8 +21,10 @@ and its score weight. :class:`EventKeys` is the one front half: our dual keys co
 event's ``token_ids`` (or vLLM's own hashes in strict mode; see
 :mod:`kv_picker.state.block_keys`), keys of a tier event that carries no tokens resolved through
 the engine-hash map (an offloading connector's placeholder events name a block by hash alone),
-and the decision of what is not indexed (media without a tier, groups that are not full
-attention, multimodal blocks, blocks whose parent is unknown), reported as
+engine blocks that span several of ours split into ours (:func:`sub_block_hashes`), and the
+decision of what is not indexed (media without a tier, groups that are not full attention, block
+sizes that are not a multiple of ours, multimodal blocks, blocks whose parent is unknown),
+reported as
 ``kv_picker_kv_events_dropped_total{reason}``. The same object computes a request's keys for the
 scorer, so both sides share one key space.
 
@@ -36,9 +38,12 @@ an event without a kind takes its group's learned kind, and full attention when 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from kv_picker.state.block_keys import VllmBlockHasher
 from kv_picker.state.hashing import chain_root, token_keys
@@ -170,6 +175,27 @@ StoredBlocks = tuple[int, int, list[int], list[int]]
 aligned with the first ``len(keys)`` hashes."""
 
 
+def sub_block_hashes(engine_hashes: Sequence[int], multiple: int) -> list[int]:
+    """The ledger's hashes for engine blocks that each span ``multiple`` of our blocks.
+
+    vLLM reports blocks of its own size, which can be a multiple of ours (an offloading
+    connector's or LMCache's chunks, a hybrid model's attention group). Each such block becomes
+    ``multiple`` of ours: the last keeps the engine's hash (so that a later event naming it as
+    its parent resolves to the right key), the others get hashes derived from it and their
+    position, so that a removal naming the engine block removes all of them.
+    """
+    hashes: list[int] = []
+    pack = _SUB_BLOCK.pack
+    for engine_hash in engine_hashes:
+        for position in range(1, multiple):
+            hashes.append(xxhash.xxh3_64_intdigest(pack(engine_hash, position)))
+        hashes.append(engine_hash)
+    return hashes
+
+
+_SUB_BLOCK = struct.Struct("<QI")
+
+
 class EventKeys:
     """From a ``BlockStored`` event (and from a request's tokens) to the keys the index records.
 
@@ -264,14 +290,33 @@ class EventKeys:
             return None
         if self.strict_hasher is not None:
             # vLLM's hashes are the keys: no tokens needed, nothing to resolve.
+            if event.block_size != self.block_size_tokens:
+                self.drop(DROP_BLOCK_SIZE, num_blocks)
+                return None
             hashes = event.block_hashes
             return tier, group, hashes, hashes
         if not event.token_ids and num_blocks:
             return self._resolved(ledger, endpoint_id, tier, group, event)
-        keys, reason = self._keys_from_tokens(ledger, endpoint_id, tier, group, event, model)
+        keys, reason, multiple = self._keys_from_tokens(
+            ledger, endpoint_id, tier, group, event, model
+        )
         if reason:
-            self.drop(reason, num_blocks - len(keys))
-        return (tier, group, event.block_hashes, keys) if keys else None
+            self.drop(reason, num_blocks - len(keys) // multiple)
+        if not keys:
+            return None
+        ledger.learn_multiple(endpoint_id, tier, group, multiple)
+        hashes = event.block_hashes
+        if multiple > 1:
+            hashes = sub_block_hashes(hashes[: len(keys) // multiple], multiple)
+        return tier, group, hashes, keys
+
+    def engine_block_hashes(
+        self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, hashes: Sequence[int]
+    ) -> tuple[Sequence[int], int]:
+        """The ledger's hashes for engine blocks named in an event of (endpoint, tier, group),
+        and our blocks per engine block (see :func:`sub_block_hashes`)."""
+        multiple = ledger.multiple(endpoint_id, tier, group)
+        return (hashes if multiple == 1 else sub_block_hashes(hashes, multiple)), multiple
 
     def _resolved(
         self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, event: BlockStored
@@ -279,12 +324,15 @@ class EventKeys:
         """A tier event without tokens: blocks the endpoint already indexed, by engine hash."""
         hashes: list[int] = []
         keys: list[int] = []
-        for engine_hash in event.block_hashes:
+        named, multiple = self.engine_block_hashes(
+            ledger, endpoint_id, tier, group, event.block_hashes
+        )
+        for engine_hash in named:
             key = ledger.resolve(endpoint_id, tier, group, engine_hash)
             if key is not None:
                 hashes.append(engine_hash)
                 keys.append(key)
-        self.drop(DROP_UNKNOWN_HASH, len(event.block_hashes) - len(keys))
+        self.drop(DROP_UNKNOWN_HASH, len(event.block_hashes) - len(keys) // multiple)
         return (tier, group, hashes, keys) if keys else None
 
     def _keys_from_tokens(
@@ -295,18 +343,22 @@ class EventKeys:
         group: int,
         event: BlockStored,
         model: str,
-    ) -> tuple[list[int], str]:
+    ) -> tuple[list[int], str, int]:
+        """Our keys for the event's blocks (``multiple`` of ours per engine block), why some
+        were not indexed, and ``multiple``."""
         engine_hashes = event.block_hashes
         lora_name = event.lora_name
         if event.lora_id is not None and not lora_name:
-            return [], DROP_LORA_ID  # an adapter we cannot name would look like the base model
+            return [], DROP_LORA_ID, 1  # an adapter we cannot name would look like the base model
         size = self.block_size_tokens
-        if event.block_size != size:
-            return [], DROP_BLOCK_SIZE
+        event_size = event.block_size
+        if event_size <= 0 or event_size % size:
+            return [], DROP_BLOCK_SIZE, 1
+        multiple = event_size // size
         num_blocks = len(engine_hashes)
         token_ids = event.token_ids
-        if len(token_ids) != num_blocks * size:
-            return [], DROP_TOKEN_COUNT
+        if len(token_ids) != num_blocks * event_size:
+            return [], DROP_TOKEN_COUNT, multiple
         parent_hash = event.parent_block_hash
         extra_keys = event.extra_keys
         salt: str | None = None
@@ -331,16 +383,17 @@ class EventKeys:
                 break
             num_blocks = usable
             if not num_blocks:
-                return [], reason
+                return [], reason, multiple
         if parent_hash is None:
             parent = chain_root(model, lora_name, salt)
         else:
+            # (with engine blocks of several of ours, the parent's hash names its last one)
             resolved = ledger.resolve(endpoint_id, tier, group, parent_hash)
             if resolved is None:
-                return [], DROP_UNKNOWN_PARENT
+                return [], DROP_UNKNOWN_PARENT, multiple
             parent = resolved
         try:
-            keys = token_keys(token_ids[: num_blocks * size], parent, size)
+            keys = token_keys(token_ids[: num_blocks * event_size], parent, size)
         except (OverflowError, TypeError):
-            return [], DROP_BAD_TOKENS
-        return keys, reason
+            return [], DROP_BAD_TOKENS, multiple
+        return keys, reason, multiple

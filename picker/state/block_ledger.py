@@ -66,6 +66,7 @@ class BlockLedger:
         "_in_heap",
         "_kinds",
         "_maps",
+        "_multiples",
         "_on_unheld",
         "_stamp",
         "capacity_source",
@@ -93,6 +94,8 @@ class BlockLedger:
         self._heap: list[tuple[int, int]] = []
         self._in_heap: list[bool] = []
         self._kinds: dict[int, dict[int, bool]] = {}
+        # (endpoint, tier, group) -> our blocks per engine block, where that is not 1.
+        self._multiples: dict[tuple[int, int, int], int] = {}
         self._stamp = 0
         self.size = 0
         self.evicted_blocks = 0
@@ -154,6 +157,32 @@ class BlockLedger:
         """Whether a group counts as full attention (True until its events say otherwise)."""
         kinds = self._kinds.get(endpoint_id)
         return True if kinds is None else kinds.get(group, True)
+
+    # -- block sizes ------------------------------------------------------------------------
+
+    def learn_multiple(self, endpoint_id: int, tier: int, group: int, multiple: int) -> None:
+        """Remember how many of our blocks one engine block of (endpoint, tier, group) spans."""
+        if multiple == 1:
+            if self._multiples:
+                self._multiples.pop((endpoint_id, tier, group), None)
+        else:
+            self._multiples[endpoint_id, tier, group] = multiple
+
+    def multiple(self, endpoint_id: int, tier: int, group: int) -> int:
+        """Our blocks per engine block of (endpoint, tier, group): what its stored events said,
+        else what another tier's said for the group (events without tokens name blocks stored
+        elsewhere), else 1."""
+        multiples = self._multiples
+        if not multiples:
+            return 1
+        found = multiples.get((endpoint_id, tier, group))
+        if found is not None:
+            return found
+        for other in range(MAX_TIERS):
+            found = multiples.get((endpoint_id, other, group))
+            if found is not None:
+                return found
+        return 1
 
     # -- entries ----------------------------------------------------------------------------
 
@@ -282,6 +311,8 @@ class BlockLedger:
         """
         if forget:
             self._kinds.pop(endpoint_id, None)
+            for known in [k for k in self._multiples if k[0] == endpoint_id]:
+                del self._multiples[known]
         base = endpoint_id * MAX_TIERS
         dropped: list[tuple[int, list[int]]] = []
         for lane in range(base, min(base + MAX_TIERS, len(self._maps))):

@@ -185,7 +185,12 @@ class KVBlockIndex:
         tier = self.event_keys.tiers.id_of(event.medium)
         if tier is None:
             return 0
-        return self.ledger.remove(endpoint_id, tier, event.group_idx or 0, event.block_hashes)
+        group = event.group_idx or 0
+        hashes, multiple = self.event_keys.engine_block_hashes(
+            self.ledger, endpoint_id, tier, group, event.block_hashes
+        )
+        # Counted in engine blocks, as the event names them.
+        return self.ledger.remove(endpoint_id, tier, group, hashes) // multiple
 
     def clear_endpoint(self, endpoint_id: int) -> int:
         """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped.

@@ -179,7 +179,7 @@ def test_what_is_not_indexed() -> None:
     index = dual_index(on_drop=lambda reason, n: drops.append((reason, n)))
     tokens = list(range(8))
     assert index.apply_stored(0, BlockStored([1, 2], 99, tokens, 4), "m") == 0
-    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 16), "m") == 0
+    assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 6), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens[:7], 4), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, medium="NVME"), "m") == 0
     assert index.apply_stored(0, BlockStored([1, 2], None, tokens, 4, lora_id=3), "m") == 0
@@ -379,3 +379,45 @@ async def test_in_process_there_is_nothing_to_fetch_run_or_close() -> None:
     assert index.runs(keys, 0b1, runs, None) == 2
     await asyncio.wait_for(index.run(), 1.0)  # returns at once
     await index.close()
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+def test_engine_blocks_of_several_of_ours(multiple: int) -> None:
+    """Events whose block size is a multiple of ours (an offloading connector's chunks, a
+    hybrid model's group) index each engine block as that many of ours, exactly the keys the
+    same tokens give in blocks of our size; removals and placeholders name the whole block."""
+    size = 4 * multiple
+    tokens = list(range(500, 500 + 3 * size))  # three engine blocks
+    index, same = dual_index(), dual_index()
+    assert index.apply_stored(0, BlockStored([7, 8], None, tokens[: 2 * size], size), "m") == (
+        2 * multiple
+    )
+    # The next event continues from its parent: the engine block 8, our last block of it.
+    assert index.apply_stored(0, BlockStored([9], 8, tokens[2 * size :], size), "m") == multiple
+    ours = len(tokens) // 4
+    same.apply_stored(0, BlockStored(list(range(ours)), None, tokens, 4), "m")
+    keys = request_keys(index, tokens)
+    assert keys == request_keys(same, tokens) and len(keys) == ours
+    runs, reference = [0], [0]
+    index.runs(keys, 0b1, runs)
+    same.runs(keys, 0b1, reference)
+    assert runs == reference == [ours]
+    # Removing engine block 8 removes all of its blocks of ours: the run stops after block 7.
+    assert index.apply_removed(0, BlockRemoved([8])) == 1
+    index.runs(keys, 0b1, runs)
+    assert runs == [multiple]
+    # A placeholder CPU event names engine block 7 by hash: all of its blocks of ours.
+    assert index.apply_stored(0, BlockStored([7], None, [], 0, medium="CPU"), "m") == multiple
+    assert index.apply_removed(0, BlockRemoved([7], medium="GPU")) == 1
+    weighted = [0.0]
+    index.runs(keys, 0b1, runs, weighted_out=weighted)
+    assert runs == [multiple] and weighted == [pytest.approx(0.8 * multiple)]
+    index.remove_endpoint(0)
+    assert index.ledger.multiple(0, 0, 0) == 1
+
+
+def test_a_block_size_that_is_not_a_multiple_of_ours_is_dropped() -> None:
+    drops: list[tuple[str, int]] = []
+    index = dual_index(on_drop=lambda reason, blocks: drops.append((reason, blocks)))
+    assert index.apply_stored(0, BlockStored([1], None, list(range(6)), 6), "m") == 0
+    assert drops == [("block_size", 1)]

@@ -101,12 +101,13 @@ async def test_same_answers_as_the_in_process_index(shared: tuple[RedisKVIndex, 
         action = rng.random()
         if action < 0.6:
             doc = rng.randrange(len(documents))
-            blocks = rng.randint(1, 6)
+            size = rng.choice([4, 8])  # engine blocks of one or two of ours
+            blocks = rng.randint(1, 24 // size)
             hashes = list(range(next_hash, next_hash + blocks))
             next_hash += blocks
-            tokens = documents[doc][: 4 * blocks]
+            tokens = documents[doc][: size * blocks]
             for target in (index, local):
-                target.apply_stored(endpoint, BlockStored(hashes, None, tokens, 4), "m")
+                target.apply_stored(endpoint, BlockStored(hashes, None, tokens, size), "m")
             stored[endpoint].append((doc, blocks))
         elif action < 0.9:
             victims = [rng.randrange(1, next_hash + 1) for _ in range(3)]
