@@ -31,12 +31,17 @@ def bounded(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
         yield local
 
 
-def pending(stack: LocalStack) -> float:
+def sample(stack: LocalStack, name: str) -> float:
+    """The value of an unlabelled sample in the picker's /metrics."""
     text = http_get(f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")[1].decode()
     for line in text.splitlines():
-        if line.startswith("kv_picker_requests_pending "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no kv_picker_requests_pending in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def pending(stack: LocalStack) -> float:
+    return sample(stack, "kv_picker_requests_pending")
 
 
 def test_a_request_past_the_bound_is_shed_and_the_held_one_still_served(
@@ -76,11 +81,7 @@ def test_a_request_past_the_bound_is_shed_and_the_held_one_still_served(
 
 
 def queue_delay_count(stack: LocalStack) -> float:
-    text = http_get(f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")[1].decode()
-    for line in text.splitlines():
-        if line.startswith("kv_picker_request_queue_delay_seconds_count "):
-            return float(line.split()[1])
-    raise AssertionError("no kv_picker_request_queue_delay_seconds in /metrics")
+    return sample(stack, "kv_picker_request_queue_delay_seconds_count")
 
 
 def test_requests_that_waited_before_reaching_a_stalled_picker_are_shed() -> None:
