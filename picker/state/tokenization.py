@@ -27,8 +27,7 @@ releases the GIL while it runs.
 
 Completion prompts have no added tokens to split at, so a long piece is also cut into chunks of
 about ``chunk_chars`` (2,048) characters, each encoded and cached on its own: requests that share
-a long text prefix share its chunks, and only the tail that differs is tokenized, its chunks in
-one ``encode_batch`` call that the library spreads over every core. That is exact
+a long text prefix share its chunks, and only the tail that differs is tokenized. That is exact
 when the tokenizer is byte-level BPE (no normalizer, byte-level pre-tokenization without a
 prefix space): BPE never merges across the pre-tokenizer's words, so a cut at a word's start
 changes nothing. A cut is placed before a space that follows a non-space and precedes a letter
@@ -40,7 +39,6 @@ not chunked; a self-check at load time turns chunking off if a sample tokenizes 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import re
 import threading
@@ -248,46 +246,13 @@ class PromptTokenizer:
         return self._cached(piece, released)
 
     def _chunked(self, piece: str, released: bool) -> list[int]:
-        """The ids of a long piece, chunk by chunk: cached chunks from the cache, the others
-        in one ``encode_batch`` call, which encodes them in parallel on the library's own
-        threads (without the GIL), so a unique prompt is tokenized on every core."""
-        bounds = [0, *self._cuts(piece), len(piece)]
-        chunks = [piece[start:end] for start, end in itertools.pairwise(bounds)]
-        cache = self._cache
-        parts: list[list[int] | None] = []
-        missing: list[int] = []
-        with self._cache_lock:
-            for chunk in chunks:
-                cached = cache.get(chunk)
-                if cached is None:
-                    missing.append(len(parts))
-                else:
-                    cache.move_to_end(chunk)
-                    self.cache_hits += 1
-                parts.append(cached)
-        if missing:
-            encodings = self.tokenizer.encode_batch(
-                [chunks[i] for i in missing], add_special_tokens=False
-            )
-            for i, encoding in zip(missing, encodings, strict=True):
-                parts[i] = encoding.ids
-            with self._cache_lock:
-                for i in missing:
-                    self._remember(chunks[i], parts[i])  # type: ignore[arg-type]
         ids: list[int] = []
-        for part in parts:
-            ids += part  # type: ignore[arg-type]
+        start = 0
+        for cut in self._cuts(piece):
+            ids += self._cached(piece[start:cut], released)
+            start = cut
+        ids += self._cached(piece[start:], released)
         return ids
-
-    def _remember(self, piece: str, ids: list[int]) -> None:
-        """Cache ``ids`` for ``piece``, evicting the least recently used (lock held)."""
-        cache = self._cache
-        if piece not in cache:
-            cache[piece] = ids
-            self._cached_chars += len(piece)
-            while self._cached_chars > _CACHE_MAX_CHARS and cache:
-                old, _ = cache.popitem(last=False)
-                self._cached_chars -= len(old)
 
     def _cuts(self, text: str) -> list[int]:
         """Where ``text`` may be cut without changing its tokens, about every chunk."""
@@ -325,7 +290,12 @@ class PromptTokenizer:
                 return cached
         ids = self._raw(piece, False, released)
         with self._cache_lock:
-            self._remember(piece, ids)
+            if piece not in cache:
+                cache[piece] = ids
+                self._cached_chars += len(piece)
+                while self._cached_chars > _CACHE_MAX_CHARS and cache:
+                    old, _ = cache.popitem(last=False)
+                    self._cached_chars -= len(old)
         return ids
 
     async def encode_async(
