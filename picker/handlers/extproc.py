@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 _BodyMode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _BodyMode.FULL_DUPLEX_STREAMED
+# x-request-start stamps further than this from the picker's clock are ignored.
+MAX_STAMP_AGE_S = 300.0
 BUFFERED = _BodyMode.BUFFERED
 
 
@@ -225,6 +227,8 @@ class RequestStream:
         if started_s is None:
             return
         now_s = time.time()
+        if abs(now_s - started_s) > MAX_STAMP_AGE_S:
+            return  # not a stamp of this request's arrival: a clock that far off, or forged
         gate = self.director.queue_gate
         wait_s = gate.wait_s(started_s, now_s)
         self.metrics.queue_delay.observe(wait_s)

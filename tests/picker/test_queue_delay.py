@@ -150,3 +150,16 @@ def test_the_gate_outlives_a_reload() -> None:
     gate = director.queue_gate
     director.swap(director.config, director.scheduler)
     assert director.queue_gate is gate
+
+
+@pytest.mark.parametrize("age_s", [-3600.0, 900.0])
+def test_a_stamp_far_from_the_pickers_clock_is_ignored(age_s: float) -> None:
+    """A stamp minutes away is no arrival time (a forged one, a broken clock): it must not move
+    the offset floor, or every later request would look as if it had waited that long."""
+    director = make_director()
+    run(RequestStream(director), stamped(age_s))
+    registry = director.metrics.registry
+    assert registry.get_sample_value("kv_picker_request_queue_delay_seconds_count") == 0.0
+    stream = RequestStream(director)
+    assert run(stream, stamped(0.0)) == []
+    assert destination(run(stream, body_message(BODY))[0])
