@@ -310,6 +310,18 @@ class EventKeys:
             hashes = sub_block_hashes(hashes[: len(keys) // multiple], multiple)
         return tier, group, hashes, keys
 
+    def apply_removed(self, ledger: BlockLedger, endpoint_id: int, event: BlockRemoved) -> int:
+        """Apply a ``BlockRemoved`` of its (medium, group) to a backend's ledger (which tells
+        the backend what is no longer held); returns the engine blocks it hit."""
+        tier = self.tiers.id_of(event.medium)
+        if tier is None:
+            return 0
+        group = event.group_idx or 0
+        hashes, multiple = self.engine_block_hashes(
+            ledger, endpoint_id, tier, group, event.block_hashes
+        )
+        return ledger.remove(endpoint_id, tier, group, hashes) // multiple
+
     def engine_block_hashes(
         self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, hashes: Sequence[int]
     ) -> tuple[Sequence[int], int]:

@@ -470,15 +470,7 @@ class RedisKVIndex:
 
     def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
         """Apply a ``BlockRemoved`` of its (medium, group); returns the entries it hit."""
-        tier = self.event_keys.tiers.id_of(event.medium)
-        if tier is None:
-            return 0
-        group = event.group_idx or 0
-        hashes, multiple = self.event_keys.engine_block_hashes(
-            self.ledger, endpoint_id, tier, group, event.block_hashes
-        )
-        # Counted in engine blocks, as the event names them.
-        return self.ledger.remove(endpoint_id, tier, group, hashes) // multiple
+        return self.event_keys.apply_removed(self.ledger, endpoint_id, event)
 
     def clear_endpoint(self, endpoint_id: int) -> int:
         """Apply ``AllBlocksCleared`` (or a lost event stream); returns blocks dropped."""
