@@ -32,7 +32,8 @@ handler. So the gateway stamps each request as it arrives (the generated Envoy c
 client value), and :class:`QueueDelayGate` sheds on the time that stamp says the request waited,
 with the rule of CoDel as used for server queues: while there is no standing queue a request
 may have waited up to ``queueDelayInterval`` (100 ms; a burst drains); once even the smallest
-wait over an interval exceeds ``queueDelayTarget`` (5 ms), a request that waited longer than the
+wait over an interval exceeds ``queueDelayTarget`` (off by default; 5 ms is CoDel's published
+target), a request that waited longer than the
 target gets 503 ``overloaded`` at its headers, before its body is read, until an interval's
 smallest wait is under half the target (the queue drained). Admitted requests then wait about
 the target at most before the picker sees them, and the ones shed cost the picker one message
@@ -79,9 +80,9 @@ class AdmissionConfig:
         "x-kv-picker-priority"
     )
     max_pending_requests: Annotated[int, Range(ge=0)] = 512
-    # 0 turns the queue-delay gate off.
+    # 0 (the default) turns the queue-delay gate off: it sheds under CPU contention too.
     queue_delay_target_s: Annotated[Duration, Range(ge=0)] = field(
-        default=0.005, metadata=key("queueDelayTarget")
+        default=0.0, metadata=key("queueDelayTarget")
     )
     queue_delay_interval_s: Annotated[Duration, Positive] = field(
         default=0.1, metadata=key("queueDelayInterval")

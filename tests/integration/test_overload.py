@@ -86,7 +86,8 @@ def queue_delay_count(stack: LocalStack) -> float:
 
 def test_requests_that_waited_before_reaching_a_stalled_picker_are_shed() -> None:
     """Envoy stamps x-request-start (over any client value); the picker sheds what waited."""
-    with LocalStack(sims=2, time_scale=0.02) as local:
+    config = {"admission": {"queueDelayTarget": "5ms"}}
+    with LocalStack(sims=2, time_scale=0.02, picker_config=config) as local:
         url = local.url + "/v1/completions"
         for _ in range(3):
             assert post(url, BODY).status == 200

@@ -21,6 +21,7 @@ from tests.picker.handlers.test_extproc_stream import (
 )
 
 TARGET, INTERVAL = 0.005, 0.1
+GATE_ON = {"admission": {"queueDelayTarget": "5ms"}}
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,7 @@ def stamped(age_s: float, mode: int = Mode.FULL_DUPLEX_STREAMED):  # type: ignor
 
 @pytest.mark.parametrize("mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
 def test_a_request_that_waited_too_long_is_refused_before_its_body(mode: int) -> None:
-    director = make_director()  # the defaults: 5 ms target, 100 ms interval
+    director = make_director(GATE_ON)  # 5 ms target, the default 100 ms interval
     served = RequestStream(director)
     run(served, stamped(0.0, mode))  # sets the offset floor: this one did not wait
     assert destination(run(served, body_message(BODY))[0])
@@ -140,9 +141,18 @@ def test_without_a_stamp_or_with_the_gate_off_nothing_is_shed() -> None:
         director.metrics.registry.get_sample_value("kv_picker_request_queue_delay_seconds_count")
         == 2.0
     )
-    unstamped = RequestStream(make_director())
+    unstamped = RequestStream(make_director(GATE_ON))
     assert run(unstamped, headers_message()) == []
     assert destination(run(unstamped, body_message(BODY))[0])
+
+
+def test_the_gate_is_off_by_default() -> None:
+    director = make_director()
+    assert director.config.admission.queue_delay_target_s == 0
+    run(RequestStream(director), stamped(0.0))
+    stream = RequestStream(director)
+    assert run(stream, stamped(0.5)) == []  # waited half a second: measured, not shed
+    assert destination(run(stream, body_message(BODY))[0])
 
 
 def test_the_gate_outlives_a_reload() -> None:
@@ -156,7 +166,7 @@ def test_the_gate_outlives_a_reload() -> None:
 def test_a_stamp_far_from_the_pickers_clock_is_ignored(age_s: float) -> None:
     """A stamp minutes away is no arrival time (a forged one, a broken clock): it must not move
     the offset floor, or every later request would look as if it had waited that long."""
-    director = make_director()
+    director = make_director(GATE_ON)
     run(RequestStream(director), stamped(age_s))
     registry = director.metrics.registry
     assert registry.get_sample_value("kv_picker_request_queue_delay_seconds_count") == 0.0
