@@ -37,6 +37,8 @@ from kv_picker.wire import DESTINATION_HEADER
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 # The InferencePool's spec.endpointPickerRef.failureMode values.
 FAILURE_MODES = ("FailClose", "FailOpen")
+# With serve --workers: ext_proc streams per HTTP/2 connection to the picker (envoy_bootstrap).
+PICKER_STREAMS_PER_CONNECTION = 4
 FALLBACK_CLUSTER = "pool_fallback_cluster"
 # Envoy's request start in microseconds since the epoch (see request_start_stamp).
 REQUEST_START_HEADER = "x-request-start"
@@ -81,6 +83,7 @@ def envoy_bootstrap(
     failure_mode: str = "FailClose",
     pool_endpoints: Sequence[str] = (),
     access_log_path: str | None = None,
+    picker_streams_per_connection: int | None = None,
 ) -> dict[str, Any]:
     """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
 
@@ -106,6 +109,11 @@ def envoy_bootstrap(
 
     The early removal matters: with the picker down, a destination header the client wrote
     would otherwise take route 1 to an address of the client's choosing.
+
+    ``picker_streams_per_connection``: at most this many ext_proc streams share one HTTP/2
+    connection to the picker, so that a busy Envoy opens several and ``kv-picker serve
+    --workers N``, whose workers the kernel hands whole connections, shares the streams out
+    (Envoy's default, unlimited, keeps one connection per Envoy worker thread).
 
     ``access_log_path``: a file access log with one line per request, ``ACCESS_LOG_FORMAT``
     (status, and the microseconds from Envoy's first byte of the request to its first byte
@@ -244,7 +252,13 @@ def envoy_bootstrap(
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
                             "HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            "explicit_http_config": {
+                                "http2_protocol_options": (
+                                    {"max_concurrent_streams": picker_streams_per_connection}
+                                    if picker_streams_per_connection
+                                    else {}
+                                )
+                            },
                         },
                     },
                     "load_assignment": {
@@ -842,8 +856,22 @@ class LocalStack:
             failure_mode=self.failure_mode,
             pool_endpoints=self.sim_addresses,
             access_log_path=str(self.access_log_path) if self.access_log else None,
+            picker_streams_per_connection=(
+                PICKER_STREAMS_PER_CONNECTION if self.picker_workers > 1 else None
+            ),
         )
         self.envoy = self.launch_envoy("envoy", bootstrap, self.envoy_admin_port)
+
+    @property
+    def picker_workers(self) -> int:
+        """The picker's ``--workers`` (1 when not given)."""
+        args = self.picker_args
+        for i, arg in enumerate(args):
+            if arg == "--workers" and i + 1 < len(args):
+                return int(args[i + 1])
+            if arg.startswith("--workers="):
+                return int(arg.partition("=")[2])
+        return 1
 
     @property
     def access_log_path(self) -> Path:

@@ -45,6 +45,7 @@ from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
 from kv_picker.handlers.extproc import ExternalProcessor
 from kv_picker.metrics import PickerMetrics
+from kv_picker.peers import PeerSync
 from kv_picker.plugins import builtin_registry
 from kv_picker.request_log import RequestLog
 from kv_picker.scheduling.context import BuildContext
@@ -58,6 +59,7 @@ from kv_picker.state.endpoints import EndpointStore
 from kv_picker.tls import CertificateFiles
 from kv_picker.tracing import RequestTracer
 from kv_picker.wire import HEALTH_SERVICES
+from kv_picker.workers import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,11 @@ class PickerApp:
         config_path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         reload_interval_s: float = 1.0,
+        worker: WorkerSpec | None = None,
     ) -> None:
+        self.worker = worker
+        if worker is not None:
+            config = worker.apply(config)
         self.registry = registry or builtin_registry()
         self.config_path = Path(config_path) if config_path else None
         self.reload_interval_s = reload_interval_s
@@ -138,6 +144,7 @@ class PickerApp:
         self.ready = False  # the pool is known (see _become_ready)
         self.draining = False
         self._http_runner: web.AppRunner | None = None
+        self.peers: PeerSync | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._config_mtime_ns = self._mtime_ns()
 
@@ -213,11 +220,28 @@ class PickerApp:
         app.router.add_get("/readyz", self._readyz_handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, config.server.host, config.server.metrics_port)
+        worker = self.worker
+        if worker is None:
+            site: web.BaseSite = web.TCPSite(runner, config.server.host, config.server.metrics_port)
+        else:  # the supervisor serves the port and asks each worker here
+            site = web.UnixSite(runner, str(worker.http_socket()))
         await site.start()
         self._http_runner = runner
         bound = [address for address in runner.addresses if isinstance(address, tuple)]
         self.metrics_port = int(bound[0][1]) if bound else config.server.metrics_port
+
+        if worker is not None:
+            director = self.director
+            self.peers = PeerSync(
+                self.store,
+                lambda records, ids: director.scheduler.record_peer_picks(records, ids),
+                worker.directory,
+                worker.index,
+                worker.count,
+            )
+            self.peers.start()
+            director.peers = self.peers
+            self._tasks.append(asyncio.create_task(self.peers.run(), name="peers"))
 
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
@@ -289,6 +313,9 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.peers is not None:
+            self.director.peers = None
+            self.peers.close()
         if self.kv_index is not None:
             await self.kv_index.close()
         if self.request_log is not None:  # the streams have ended: their rows are queued
@@ -330,6 +357,8 @@ class PickerApp:
             return False
         try:
             config = load_config(self.config_path, self.registry)
+            if self.worker is not None:
+                config = self.worker.apply(config)
             scheduler = Scheduler(config, self.registry, self.ctx, self.metrics)
         except ConfigError as exc:
             log.error("config reload rejected, keeping the running config: %s", exc)
@@ -431,15 +460,17 @@ def _security(tls: TLSConfig | None) -> str:
     return "mutual TLS" if tls.client_ca_path else "TLS"
 
 
-async def serve(config_path: str | None, config: PickerConfig) -> None:
-    """Run until SIGINT/SIGTERM."""
+async def serve(
+    config_path: str | None, config: PickerConfig, worker: WorkerSpec | None = None
+) -> None:
+    """Run until SIGINT/SIGTERM (as one of ``serve --workers``' processes with ``worker``)."""
     import signal
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before start: no window without a handler
         loop.add_signal_handler(sig, stop.set)
-    app = PickerApp(config, config_path=config_path)
+    app = PickerApp(config, config_path=config_path, worker=worker)
     await app.start()
     await stop.wait()
     log.info("shutting down")

@@ -16,10 +16,10 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kv_picker.errors import ConfigError, PickerError
 
@@ -63,14 +63,30 @@ def _load(path: str | None):  # type: ignore[no-untyped-def]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kv_picker.app import serve
+    from kv_picker.workers import supervise, worker_spec
 
     config, _ = _load(args.config)
+    if args.workers < 1:
+        raise SystemExit("kv-picker serve: --workers must be at least 1")
+    main: Coroutine[Any, Any, None]
+    if args.worker is not None:  # one of a supervisor's workers
+        try:
+            spec = worker_spec(args.worker, args.worker_dir, args.grpc_port, args.admin_port)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"kv-picker serve: bad --worker arguments: {exc}") from exc
+        main = serve(args.config, config, spec)
+    elif args.workers > 1:
+        main = supervise(
+            args.config, config, args.workers, ["--event-loop", args.event_loop], args.log_level
+        )
+    else:
+        main = serve(args.config, config)
     if args.event_loop == "uvloop":
         import uvloop
 
-        uvloop.run(serve(args.config, config))
+        uvloop.run(main)
     else:
-        asyncio.run(serve(args.config, config))
+        asyncio.run(main)
     return EXIT_OK
 
 
@@ -219,6 +235,19 @@ def build_parser(extensions: dict[str, EntryPoint] | None = None) -> argparse.Ar
         help="EndpointPickerConfig YAML (reloaded when it changes); "
         "without it, the built-in default with no endpoints",
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="picker processes sharing the ext_proc port (SO_REUSEPORT), their picks and "
+        "in-flight counts shared, under a supervisor that serves the metrics port (default 1: "
+        "one process)",
+    )
+    # Set by the supervisor for each worker it starts (kv_picker.workers).
+    serve.add_argument("--worker", help=argparse.SUPPRESS)
+    serve.add_argument("--worker-dir", help=argparse.SUPPRESS)
+    serve.add_argument("--grpc-port", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--admin-port", type=int, default=0, help=argparse.SUPPRESS)
 
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
     explain.add_argument("--config", help="EndpointPickerConfig YAML (offline explain)")

@@ -29,6 +29,7 @@ from kv_picker.endpoint import Endpoint
 from kv_picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
 from kv_picker.handlers.body import parse_request
 from kv_picker.metrics import PickerMetrics
+from kv_picker.peers import PeerSync
 from kv_picker.request import LLMRequest
 from kv_picker.request_log import LoggedRequest, RequestLog
 from kv_picker.scheduling.framework import SchedulingResult
@@ -156,6 +157,8 @@ class Director:
         self.queue_gate = QueueDelayGate()
         # Set by the app when tracing is configured; None costs one test per stage.
         self.tracer: RequestTracer | None = None
+        # With serve --workers: the other workers learn this one's picks (kv_picker.peers).
+        self.peers: PeerSync | None = None
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already routed keep their picks."""
@@ -315,6 +318,15 @@ class Director:
         handle._prefill = (target, tokens, pairs)
         handle._prompt_tokens = total
         self._take(endpoint, request.model, outcome, total)
+        if self.peers is not None:
+            self.peers.picked(
+                endpoint,
+                prefill_endpoint,
+                total,
+                tokens,
+                pairs,
+                self.scheduler.shared_picks(request),
+            )
         for profile, profile_result in result.profile_results.items():
             if profile_result.targets:
                 self.metrics.picks.labels(profile, profile_result.targets[0].address).inc()
@@ -328,6 +340,8 @@ class Director:
         candidates = self.candidates(metadata)
         endpoint = candidates[self.rng.randrange(len(candidates))]
         self._take(endpoint, "", PASSTHROUGH)
+        if self.peers is not None:
+            self.peers.took(endpoint)
         return RoutedRequest(self, None, endpoint, None, None, PASSTHROUGH, False)
 
     async def route_body(
@@ -364,6 +378,8 @@ class Director:
 
     def _release(self, endpoint: Endpoint, tokens: float) -> None:
         self.metrics.running.dec()
+        if self.peers is not None:
+            self.peers.released(endpoint, tokens)
         # The endpoint may have left the pool (and its id been reused) meanwhile.
         store = self.store
         if store.get(endpoint.id) is endpoint and store.in_flight[endpoint.id] > 0:
@@ -373,6 +389,8 @@ class Director:
             )
 
     def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float) -> None:
+        if self.peers is not None:
+            self.peers.prefilled(endpoint, tokens, pairs)
         if self.store.get(endpoint.id) is endpoint:
             self.store.prefill_done(endpoint.id, tokens, pairs)
 

@@ -239,6 +239,17 @@ class PrecisePrefixCacheScorer:
         if prefill is not None:
             speculative.record(prefill.id, keys)
 
+    def pick_keys(self, request: LLMRequest) -> Sequence[int] | None:
+        if self.speculative is None:
+            return None
+        return request.state.get(_KEYS_STATE) or None
+
+    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
+        speculative = self.speculative
+        if speculative is not None:
+            for endpoint_id in endpoint_ids:
+                speculative.record(endpoint_id, keys)
+
     def collect_metrics(self) -> Iterable[PluginGauge]:
         if self.queried_blocks:
             yield PluginGauge(

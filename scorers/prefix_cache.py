@@ -129,6 +129,13 @@ class PrefixCacheScorer:
         if prefill is not None:
             self.index.record(prefill.id, keys)
 
+    def pick_keys(self, request: LLMRequest) -> Sequence[int] | None:
+        return self.keys(request) or None
+
+    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
+        for endpoint_id in endpoint_ids:
+            self.index.record(endpoint_id, keys)
+
     def collect_metrics(self) -> Iterable[PluginGauge]:
         index = self.index
         yield PluginGauge(

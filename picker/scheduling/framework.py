@@ -176,6 +176,24 @@ class PostPick(Protocol):
 
 
 @runtime_checkable
+class SharesPicks(Protocol):
+    """A plugin whose pick records must reach the picker's other worker processes.
+
+    With ``kv-picker serve --workers N`` each worker schedules its own share of the requests;
+    what a pick teaches a plugin (the blocks an endpoint was just sent) is sent to the other
+    workers as this plugin's keys and recorded there, so the workers route as one picker.
+    """
+
+    def pick_keys(self, request: LLMRequest) -> Sequence[int] | None:
+        """The keys :meth:`PostPick.on_pick` recorded for ``request`` (None: nothing)."""
+        ...
+
+    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
+        """Record what another worker's pick sent to these endpoints, as ``on_pick`` would."""
+        ...
+
+
+@runtime_checkable
 class ResponseHeaders(Protocol):
     def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Headers to add to the response of ``request`` served by ``endpoint``."""

@@ -36,6 +36,7 @@ from kv_picker.scheduling.framework import (
     RequiresProfiles,
     ResponseHeaders,
     SchedulingResult,
+    SharesPicks,
 )
 from kv_picker.scheduling.registry import Registry
 
@@ -195,8 +196,34 @@ class Scheduler:
         self._metric_plugins: list[tuple[str, CollectsMetrics]] = [
             (name, p) for name, p in plugins.items() if isinstance(p, CollectsMetrics)
         ]
+        self._sharing: list[tuple[str, SharesPicks]] = [
+            (name, p) for name, p in plugins.items() if isinstance(p, SharesPicks)
+        ]
+        self._sharing_by_name = dict(self._sharing)
         self.plugins = plugins
         self.shared_keys = ctx.used_shared
+
+    def shared_picks(self, request: LLMRequest) -> list[tuple[str, Sequence[int]]]:
+        """(plugin name, keys) of the pick records other worker processes must learn."""
+        shared: list[tuple[str, Sequence[int]]] = []
+        for name, plugin in self._sharing:
+            keys = plugin.pick_keys(request)
+            if keys:
+                shared.append((name, keys))
+        return shared
+
+    def record_peer_picks(
+        self, records: Sequence[tuple[str, Sequence[int]]], endpoint_ids: Sequence[int]
+    ) -> None:
+        """Record another worker's pick: each named plugin's keys, sent to these endpoints.
+
+        A name this build does not know, or a plugin that shares nothing, is skipped (workers
+        may be a config reload apart)."""
+        sharing = self._sharing_by_name
+        for name, keys in records:
+            plugin = sharing.get(name)
+            if plugin is not None:
+                plugin.record_peer_pick(endpoint_ids, keys)
 
     def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Headers plugins add to the response (e.g. a session token naming ``endpoint``)."""

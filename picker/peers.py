@@ -1,0 +1,365 @@
+"""What one worker process's picks change, sent to the others (``kv-picker serve --workers N``).
+
+Each worker schedules the streams the kernel hands it (one ext_proc port, SO_REUSEPORT), so
+every signal the picker makes itself would split N ways without this: the approximate prefix
+index and the speculative holders (what each endpoint was just sent), the in-flight counts and
+the queued prefill work. Scraped metrics and KV events do not need it: every worker reads them
+from the endpoints.
+
+```
+worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker        (msgpack, one frame)
+
+  pick      [0, i, incarnation, destination, prefill | None, prompt tokens, prefill tokens,
+             prefill pairs, [[plugin name, keys], ...]]
+  take      [1, i, incarnation, destination]                          (a request without body)
+  release   [2, i, incarnation, destination, prompt tokens]           (the request finished)
+  prefilled [3, i, incarnation, prefill target, tokens, pairs]        (its first byte came back)
+  snapshot  [4, i, incarnation, {address: [in flight, in-flight tokens, prefill tokens,
+             prefill requests, prefill pairs]}]                                 (every 0.5 s)
+```
+
+Endpoints are named by address (ids are each worker's own). A receiving worker applies a delta
+to its :class:`~kv_picker.state.endpoints.EndpointStore` at once, and keeps every peer's
+running totals: a snapshot replaces a peer's totals, and each snapshot (or a peer falling
+silent for ``timeout_s``, or coming back with a new incarnation) sets every endpoint's counts
+to its own plus its live peers'. So a lost message, a late joiner (ZMQ drops what a
+subscriber was not connected for) or a crashed worker heals within a snapshot period or the
+timeout, and no count survives the worker that made it.
+
+A message costs the sender one non-blocking send (a PUB socket drops rather than blocks when a
+peer is slow) and each other worker one decode and apply, about what the pick itself recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from kv_picker.endpoint import Endpoint
+from kv_picker.state.endpoints import EndpointStore
+
+log = logging.getLogger(__name__)
+
+PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT = range(5)
+# Per address: in flight, in-flight (prompt) tokens, prefill tokens, prefill requests, pairs.
+_FIELDS = 5
+_MAX_BATCH = 1000  # messages applied per loop callback before yielding to the loop
+
+
+def socket_path(directory: str | Path, index: int) -> Path:
+    """Where worker ``index`` publishes."""
+    return Path(directory) / f"peer-{index}.sock"
+
+
+@dataclass
+class _Peer:
+    incarnation: int
+    last_seen_s: float
+    totals: dict[str, list[float]] = field(default_factory=dict)
+
+
+class PeerSync:
+    """One worker's side of the exchange (see the module docstring).
+
+    Args:
+        store: this worker's endpoint store.
+        records: where another worker's pick records go (the current scheduler's
+            ``record_peer_picks``, looked up at each message so a reload is followed).
+        directory: the supervisor's private run directory (the sockets live there).
+        index: this worker's index, ``0 <= index < count``.
+        count: the number of workers.
+        heartbeat_s: how often this worker sends its snapshot.
+        timeout_s: a peer silent this long has its counts dropped.
+        clock: monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        store: EndpointStore,
+        records: Callable[[Sequence[tuple[str, Sequence[int]]], Sequence[int]], None],
+        directory: str | Path,
+        index: int,
+        count: int,
+        heartbeat_s: float = 0.5,
+        timeout_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"worker index {index} out of range for {count} workers")
+        self.store = store
+        self.records = records
+        self.directory = Path(directory)
+        self.index = index
+        self.count = count
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self.incarnation = int.from_bytes(os.urandom(4), "big")
+        self.local: dict[str, list[float]] = {}
+        self.peers: dict[int, _Peer] = {}
+        self.sent = 0
+        self.dropped = 0
+        self.received = 0
+        self.malformed = 0
+        self._context: zmq.Context[Any] | None = None
+        self._pub: zmq.Socket[Any] | None = None
+        self._sub: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        self._packer = msgpack.Packer()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind this worker's socket and connect to every other (they may not exist yet: ZMQ
+        connects when they bind). Call from the event loop that will apply messages."""
+        context = self._context = zmq.Context()
+        pub = self._pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 100_000)
+        path = socket_path(self.directory, self.index)
+        path.unlink(missing_ok=True)  # a previous incarnation's
+        pub.bind(f"ipc://{path}")
+        sub = self._sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for other in range(self.count):
+            if other != self.index:
+                sub.connect(f"ipc://{socket_path(self.directory, other)}")
+        loop = self._loop = asyncio.get_running_loop()
+        self._fd = int(sub.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._drain)
+        loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
+
+    async def run(self) -> None:
+        """Send snapshots and expire silent peers, until cancelled."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self._send([SNAPSHOT, self.index, self.incarnation, self.local])
+            now = self._clock()
+            gone = [w for w, peer in self.peers.items() if now - peer.last_seen_s > self.timeout_s]
+            for worker in gone:
+                log.warning("worker %d silent for %.1f s: its counts are dropped", worker,
+                            now - self.peers[worker].last_seen_s)  # fmt: skip
+                del self.peers[worker]
+            if gone:
+                self.reconcile()
+
+    def close(self) -> None:
+        if self._loop is not None and self._sub is not None:
+            self._loop.remove_reader(self._fd)
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(0)
+        if self._context is not None:
+            self._context.term()
+        self._pub = self._sub = self._context = None
+
+    # -- this worker's changes (the director calls these) -----------------------------------
+
+    def picked(
+        self,
+        destination: Endpoint,
+        prefill: Endpoint | None,
+        prompt_tokens: float,
+        prefill_tokens: float,
+        pairs: float,
+        records: Sequence[tuple[str, Sequence[int]]],
+    ) -> None:
+        """A request was routed: in flight at ``destination``, prefill queued at ``prefill``
+        (or the destination), and the plugins' pick records."""
+        _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
+        target = prefill or destination
+        _add(self.local, target.address, 0, 0, prefill_tokens, 1, pairs)
+        self._send([PICK, self.index, self.incarnation, destination.address,
+                    prefill.address if prefill is not None else None, prompt_tokens,
+                    prefill_tokens, pairs, records])  # fmt: skip
+
+    def took(self, destination: Endpoint) -> None:
+        """A request without a body was routed to ``destination``."""
+        _add(self.local, destination.address, 1, 0, 0, 0, 0)
+        self._send([TAKE, self.index, self.incarnation, destination.address])
+
+    def released(self, destination: Endpoint, prompt_tokens: float) -> None:
+        """A request routed to ``destination`` finished."""
+        _add(self.local, destination.address, -1, -prompt_tokens, 0, 0, 0)
+        self._send([RELEASE, self.index, self.incarnation, destination.address, prompt_tokens])
+
+    def prefilled(self, target: Endpoint, tokens: float, pairs: float) -> None:
+        """A request's prefill at ``target`` finished."""
+        _add(self.local, target.address, 0, 0, -tokens, -1, -pairs)
+        self._send([PREFILLED, self.index, self.incarnation, target.address, tokens, pairs])
+
+    def _send(self, message: list[Any]) -> None:
+        pub = self._pub
+        if pub is None:
+            return
+        try:
+            pub.send(self._packer.pack(message), zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:  # a PUB socket drops at its high-water mark: the snapshot heals
+            self.dropped += 1
+
+    # -- the other workers' changes ---------------------------------------------------------
+
+    def _drain(self) -> None:
+        sub = self._sub
+        if sub is None:
+            return
+        for _ in range(_MAX_BATCH):
+            try:
+                data = sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.apply(data)
+        if self._loop is not None:  # more waiting: let other callbacks run first
+            self._loop.call_soon(self._drain)
+
+    def apply(self, data: bytes) -> None:
+        """Apply one message from another worker (a malformed one is counted and dropped,
+        having changed nothing)."""
+        try:
+            message = msgpack.unpackb(data, use_list=True, strict_map_key=False)
+            kind, worker, incarnation = _ints(message[:3], 3)
+            if worker == self.index and incarnation == self.incarnation:
+                return
+            if kind == PICK:
+                _, _, _, destination, prefill, prompt_tokens, prefill_tokens, pairs, records = (
+                    message
+                )
+                destination = _address(destination)
+                prefill = _address(prefill) if prefill is not None else None
+                prompt_tokens, prefill_tokens, pairs = _numbers(message[5:8])
+                records = [(_name(name), _ints(keys)) for name, keys in records]
+                peer = self._peer(worker, incarnation)
+                self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
+                self._apply(peer, prefill or destination, (0, 0, prefill_tokens, 1, pairs))
+                by_address = self.store.by_address
+                ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
+                if ids and records:
+                    self.records(records, ids)
+            elif kind == TAKE and len(message) == 4:
+                self._apply(self._peer(worker, incarnation), _address(message[3]),
+                            (1, 0, 0, 0, 0))  # fmt: skip
+            elif kind == RELEASE and len(message) == 5:
+                (tokens,) = _numbers(message[4:])
+                self._apply(self._peer(worker, incarnation), _address(message[3]),
+                            (-1, -tokens, 0, 0, 0))  # fmt: skip
+            elif kind == PREFILLED and len(message) == 6:
+                tokens, pairs = _numbers(message[4:])
+                self._apply(self._peer(worker, incarnation), _address(message[3]),
+                            (0, 0, -tokens, -1, -pairs))  # fmt: skip
+            elif kind == SNAPSHOT and len(message) == 4:
+                totals = {_address(a): _numbers(v, _FIELDS) for a, v in message[3].items()}
+                self._peer(worker, incarnation).totals = totals
+                self.reconcile()
+            else:
+                raise ValueError(f"unknown message kind {kind!r} or length {len(message)}")
+        except Exception as exc:  # only our own workers write here; never stop applying
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning("malformed message from a worker (%d so far): %r", self.malformed,
+                            exc)  # fmt: skip
+            return
+        self.received += 1
+
+    def _peer(self, worker: int, incarnation: int) -> _Peer:
+        peer = self.peers.get(worker)
+        now = self._clock()
+        if peer is None or peer.incarnation != incarnation:
+            if peer is not None:
+                log.info("worker %d restarted: its earlier counts are dropped", worker)
+            peer = self.peers[worker] = _Peer(incarnation, now)
+            self.reconcile()
+        peer.last_seen_s = now
+        return peer
+
+    def _apply(self, peer: _Peer, address: str, delta: Sequence[float]) -> None:
+        _add(peer.totals, address, *delta)
+        endpoint = self.store.by_address.get(address)
+        if endpoint is not None:
+            _shift(self.store, endpoint.id, delta)
+
+    def reconcile(self) -> None:
+        """Set every endpoint's counts to this worker's own plus its live peers'."""
+        store = self.store
+        sources = [self.local, *(peer.totals for peer in self.peers.values())]
+        for address, endpoint in store.by_address.items():
+            sums = [0.0] * _FIELDS
+            for totals in sources:
+                values = totals.get(address)
+                if values is not None:
+                    for i in range(_FIELDS):
+                        sums[i] += values[i]
+            i = endpoint.id
+            store.in_flight[i] = max(0, round(sums[0]))
+            store.in_flight_tokens[i] = max(0.0, sums[1])
+            store.prefill_tokens[i] = max(0.0, sums[2])
+            store.prefill_requests[i] = max(0, round(sums[3]))
+            store.prefill_pairs[i] = max(0.0, sums[4])
+        # Totals of endpoints that are gone and settled need not be kept or sent.
+        for totals in sources:
+            for address in [a for a, v in totals.items() if a not in store.by_address
+                            and not any(v)]:  # fmt: skip
+                del totals[address]
+
+
+def _address(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"an address must be a string, not {type(value).__name__}")
+    return value
+
+
+def _name(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a plugin name must be a string, not {type(value).__name__}")
+    return value
+
+
+def _ints(values: object, length: int | None = None) -> list[int]:
+    if not isinstance(values, list) or (length is not None and len(values) != length):
+        raise TypeError("expected a list of integers")
+    for value in values:
+        if type(value) is not int:
+            raise TypeError(f"expected an integer, not {type(value).__name__}")
+    return values
+
+
+def _numbers(values: object, length: int | None = None) -> list[float]:
+    if not isinstance(values, list) or (length is not None and len(values) != length):
+        raise TypeError("expected a list of numbers")
+    out = []
+    for value in values:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise TypeError(f"expected a finite number, not {value!r}")
+        out.append(float(value))
+    return out
+
+
+def _add(totals: dict[str, list[float]], address: str, *delta: float) -> None:
+    values = totals.get(address)
+    if values is None:
+        values = totals[address] = [0.0] * _FIELDS
+    for i in range(_FIELDS):
+        values[i] += delta[i]
+    if not any(values):
+        del totals[address]
+
+
+def _shift(store: EndpointStore, i: int, delta: Sequence[float]) -> None:
+    store.in_flight[i] = max(0, store.in_flight[i] + int(delta[0]))
+    store.in_flight_tokens[i] = max(0.0, store.in_flight_tokens[i] + delta[1])
+    store.prefill_tokens[i] = max(0.0, store.prefill_tokens[i] + delta[2])
+    store.prefill_requests[i] = max(0, store.prefill_requests[i] + int(delta[3]))
+    store.prefill_pairs[i] = max(0.0, store.prefill_pairs[i] + delta[4])

@@ -1,0 +1,428 @@
+"""``kv-picker serve --workers N``: N picker processes on one port, and the supervisor that runs them.
+
+One Python process schedules on one core. With ``--workers N`` the command becomes a supervisor
+that starts N workers, each a whole picker (:class:`~kv_picker.app.PickerApp`):
+
+```
+supervisor (this module)                            server.metricsPort: /metrics /healthz /readyz
+  ├── worker 0 ─┐ ext_proc + health on server.grpcPort, admin on server.admin.port, all bound
+  ├── worker 1 ─┤ with SO_REUSEPORT: the kernel spreads new connections (Envoy's ext_proc
+  └── ...      ─┘ streams ride them) over the workers
+        │ each: its own scrapes and KV-event subscriptions (every worker sees every endpoint),
+        │ /metrics /healthz /readyz on a Unix socket in the run directory, and
+        └ kv_picker.peers: its picks, in-flight counts and queued prefill sent to the others
+```
+
+Routing stays that of one picker: what a pick teaches the approximate index and the speculative
+holders, and the in-flight and prefill counts, reach the other workers within about a
+millisecond (:mod:`kv_picker.peers`). The supervisor serves the metrics port: ``/metrics``
+merges the workers' expositions into one (counters and histograms summed; gauges of the process
+summed; gauges of the shared view, such as endpoint signals and index sizes, the largest of the
+workers'), ``/readyz`` is ready when every worker is, ``/healthz`` reports the workers too.
+
+A worker that exits unexpectedly is started again (after 1 s, doubling to 30 s while it keeps
+failing); its peers drop its counts when it falls silent. SIGTERM or SIGINT is passed to every
+worker, each drains as a single picker does, and the supervisor exits when they have. Workers
+die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no process behind.
+
+Costs of N workers: N times the scrapes and KV-event subscriptions, N copies of the indexes,
+and one message per pick, release and first byte to each other worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from kv_picker.config import PickerConfig
+
+log = logging.getLogger(__name__)
+
+SALT_ENV = "KV_PICKER_WORKER_SALT"
+# Gauges of one process's own activity: the pod's figure is the workers' sum. Every other gauge
+# describes state each worker holds a copy of (endpoint signals, index sizes, saturation): the
+# largest copy is shown.
+SUMMED_GAUGES = frozenset(
+    {
+        "kv_picker_requests_running",
+        "kv_picker_requests_pending",
+        "kv_picker_asyncio_tasks",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+    }
+)
+_RESTART_BACKOFF_S = (1.0, 30.0)
+_HEALTHY_AFTER_S = 60.0  # a worker up this long starts its backoff again from the shortest
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker is told by its supervisor (the hidden ``serve --worker`` arguments).
+
+    Attributes:
+        index: this worker's index, ``0 <= index < count``.
+        count: the number of workers.
+        directory: the supervisor's private run directory (peer sockets, HTTP sockets).
+        grpc_port: the ext_proc port every worker binds (SO_REUSEPORT).
+        admin_port: the admin port every worker binds (0: admin off).
+        salt: the request log's salt when the config sets none (one for all workers, so
+            their logs share block ids).
+    """
+
+    index: int
+    count: int
+    directory: Path
+    grpc_port: int
+    admin_port: int
+    salt: str | None = None
+
+    def http_socket(self) -> Path:
+        return http_socket(self.directory, self.index)
+
+    def apply(self, config: PickerConfig) -> PickerConfig:
+        """The config as this worker runs it: the supervisor's ports, a request-log file of
+        its own (``<path>.worker-<index>``) with the shared salt, and its own seed."""
+        server = config.server
+        server = dataclasses.replace(
+            server,
+            grpc_port=self.grpc_port,
+            admin=dataclasses.replace(server.admin, port=self.admin_port),
+        )
+        request_log = config.request_log
+        if request_log is not None:
+            request_log = dataclasses.replace(
+                request_log,
+                path=f"{request_log.path}.worker-{self.index}",
+                salt=request_log.salt or self.salt,
+            )
+        seed = config.seed + self.index if config.seed is not None else None
+        return dataclasses.replace(config, server=server, request_log=request_log, seed=seed)
+
+
+def http_socket(directory: Path, index: int) -> Path:
+    """Where worker ``index`` serves /metrics, /healthz and /readyz."""
+    return directory / f"worker-{index}.http"
+
+
+def parse_worker(text: str) -> tuple[int, int]:
+    """``INDEX/COUNT`` -> (index, count)."""
+    index_text, _, count_text = text.partition("/")
+    index, count = int(index_text), int(count_text)
+    if not 0 <= index < count:
+        raise ValueError(f"worker {text!r}: the index must be in [0, count)")
+    return index, count
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def merge_expositions(texts: Iterable[str]) -> bytes:
+    """The workers' Prometheus expositions as one (see the module docstring)."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+                values[family.name] = {}
+            samples = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = samples.get(key)
+                samples[key] = sample.value if old is None else _combine(family, sample.name,
+                                                                         old, sample.value)  # fmt: skip
+    for name, family in families.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+def _combine(family: Metric, sample_name: str, old: float, new: float) -> float:
+    if sample_name.endswith("_created") or sample_name == "process_start_time_seconds":
+        return min(old, new)
+    if family.type == "gauge" and family.name not in SUMMED_GAUGES:
+        if math.isnan(old):
+            return new
+        return old if new < old else new
+    return old + new
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+# -- the supervisor -------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: asyncio.subprocess.Process | None = None
+        self.started_s = 0.0
+        self.restarts = 0
+        self.backoff_s = _RESTART_BACKOFF_S[0]
+
+
+class Supervisor:
+    """Runs N workers and serves the merged metrics port (see the module docstring).
+
+    Args:
+        config: the validated config (its server section gives the ports).
+        config_path: the config file the workers load and watch (None: the built-in default).
+        workers: how many worker processes.
+        worker_args: arguments passed on to each worker's ``serve`` (e.g. ``--event-loop``).
+        log_level: the workers' ``--log-level``.
+    """
+
+    def __init__(
+        self,
+        config: PickerConfig,
+        config_path: str | None,
+        workers: int,
+        worker_args: Sequence[str] = (),
+        log_level: str = "info",
+    ) -> None:
+        if workers < 2:
+            raise ValueError("a supervisor needs at least 2 workers")
+        self.config = config
+        self.config_path = config_path
+        self.worker_args = list(worker_args)
+        self.log_level = log_level
+        self.workers = [_Worker(i) for i in range(workers)]
+        server = config.server
+        self.grpc_port = server.grpc_port or _free_port(server.host)
+        admin = server.admin
+        self.admin_port = (admin.port or _free_port(admin.host)) if admin.enabled else 0
+        self.metrics_port = 0
+        self.directory = Path(tempfile.mkdtemp(prefix="kv-picker-"))  # 0700
+        self.salt = secrets.token_hex(16)
+        self.stopping = False
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/healthz", self._healthz_handler)
+        app.router.add_get("/readyz", self._readyz_handler)
+        runner = self._runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        server = self.config.server
+        site = web.TCPSite(runner, server.host, server.metrics_port)
+        await site.start()
+        bound = [address for address in runner.addresses if isinstance(address, tuple)]
+        self.metrics_port = int(bound[0][1]) if bound else server.metrics_port
+        for worker in self.workers:
+            self._tasks.append(
+                asyncio.create_task(self._keep(worker), name=f"worker-{worker.index}")
+            )
+        log.info(
+            "kv-picker supervisor: %d workers on ext_proc port %d, admin port %s, metrics on :%d",
+            len(self.workers),
+            self.grpc_port,
+            self.admin_port or "off",
+            self.metrics_port,
+        )
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM every worker, wait for them to drain, then clean up."""
+        self.stopping = True
+        server = self.config.server
+        if timeout_s is None:  # the workers' drain delay, their grace, and a margin
+            timeout_s = server.shutdown_delay_s + 5.0 + 10.0
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            process = worker.process
+            if process is None:
+                continue
+            try:
+                await asyncio.wait_for(process.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("worker %d did not stop in time: killed", worker.index)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _argv(self, worker: _Worker) -> list[str]:
+        argv = [sys.executable, "-m", "kv_picker", "--log-level", self.log_level, "serve",
+                *self.worker_args, "--worker", f"{worker.index}/{len(self.workers)}",
+                "--worker-dir", str(self.directory), "--grpc-port", str(self.grpc_port),
+                "--admin-port", str(self.admin_port)]  # fmt: skip
+        if self.config_path is not None:
+            argv += ["--config", self.config_path]
+        return argv
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Run the worker; start it again when it exits while the supervisor is not stopping."""
+        env = {**os.environ, SALT_ENV: self.salt}
+        preexec = _die_with_parent if sys.platform == "linux" else None
+        while not self.stopping:
+            http_socket(self.directory, worker.index).unlink(missing_ok=True)
+            worker.process = await asyncio.create_subprocess_exec(
+                *self._argv(worker), env=env, preexec_fn=preexec, stdin=asyncio.subprocess.DEVNULL
+            )
+            worker.started_s = time.monotonic()
+            code = await worker.process.wait()
+            if self.stopping:
+                return
+            up_s = time.monotonic() - worker.started_s
+            if up_s >= _HEALTHY_AFTER_S:
+                worker.backoff_s = _RESTART_BACKOFF_S[0]
+            log.error("worker %d exited with %s after %.1f s; starting it again in %.0f s",
+                      worker.index, code, up_s, worker.backoff_s)  # fmt: skip
+            await asyncio.sleep(worker.backoff_s)
+            worker.backoff_s = min(worker.backoff_s * 2, _RESTART_BACKOFF_S[1])
+            worker.restarts += 1
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    async def _ask(self, index: int, path: str) -> tuple[int, bytes] | None:
+        """GET a worker's path over its Unix socket (None: it did not answer)."""
+        connector = aiohttp.UnixConnector(path=str(http_socket(self.directory, index)))
+        try:
+            async with (
+                aiohttp.ClientSession(
+                    connector=connector, timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as session,
+                session.get(f"http://worker{path}") as response,
+            ):
+                return response.status, await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
+    async def _ask_all(self, path: str) -> list[tuple[int, bytes] | None]:
+        return list(await asyncio.gather(*(self._ask(w.index, path) for w in self.workers)))
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        answers = await self._ask_all("/metrics")
+        texts = [body.decode() for answer in answers if answer is not None
+                 for status, body in (answer,) if status == 200]  # fmt: skip
+        up = len(texts)
+        restarts = sum(worker.restarts for worker in self.workers)
+        body = (
+            merge_expositions(texts)
+            + (
+                "# HELP kv_picker_workers Worker processes, by state (up: answered this scrape).\n"
+                "# TYPE kv_picker_workers gauge\n"
+                f'kv_picker_workers{{state="up"}} {up}\n'
+                f'kv_picker_workers{{state="down"}} {len(self.workers) - up}\n'
+                "# HELP kv_picker_worker_restarts_total Worker processes started again after they "
+                "exited.\n"
+                "# TYPE kv_picker_worker_restarts_total counter\n"
+                f"kv_picker_worker_restarts_total {restarts}\n"
+            ).encode()
+        )
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _healthz_handler(self, request: web.Request) -> web.Response:
+        import json
+
+        answers = await self._ask_all("/healthz")
+        bodies = [json.loads(a[1]) for a in answers if a is not None and a[0] == 200]
+        endpoints = max((b.get("endpoints", 0) for b in bodies), default=0)
+        # An endpoint counts as ready when every worker has it: a worker that does not cannot
+        # route the streams it is given.
+        ready = 0
+        if len(bodies) == len(self.workers):
+            ready = min(body.get("ready", 0) for body in bodies)
+        body = {"endpoints": endpoints, "ready": ready, "workers": len(self.workers),
+                "workersUp": len(bodies)}  # fmt: skip
+        return web.json_response(body)
+
+    async def _readyz_handler(self, request: web.Request) -> web.Response:
+        answers = await self._ask_all("/readyz")
+        ready_workers = sum(1 for a in answers if a is not None and a[0] == 200)
+        ready = not self.stopping and ready_workers == len(self.workers)
+        body = {"ready": ready, "draining": self.stopping, "workers": len(self.workers),
+                "workersReady": ready_workers}  # fmt: skip
+        return web.json_response(body, status=200 if ready else 503)
+
+
+async def supervise(
+    config_path: str | None,
+    config: PickerConfig,
+    workers: int,
+    worker_args: Sequence[str] = (),
+    log_level: str = "info",
+) -> None:
+    """Run ``workers`` worker processes until SIGINT/SIGTERM (see the module docstring)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(config, config_path, workers, worker_args, log_level)
+    await supervisor.start()
+    await stop.wait()
+    log.info("shutting down %d workers", workers)
+    await supervisor.stop()
+
+
+def worker_spec(
+    worker: str, directory: str, grpc_port: int, admin_port: int, env: dict[str, str] | Any = None
+) -> WorkerSpec:
+    """The spec of a worker from its hidden ``serve`` arguments."""
+    index, count = parse_worker(worker)
+    environment = os.environ if env is None else env
+    return WorkerSpec(index, count, Path(directory), grpc_port, admin_port,
+                      environment.get(SALT_ENV))  # fmt: skip

@@ -1,0 +1,167 @@
+"""Workers' shared picks and counts (kv_picker.peers), over real ZMQ sockets in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kv_picker.endpoint import EndpointSpec
+from kv_picker.peers import PICK, SNAPSHOT, PeerSync
+from kv_picker.state.endpoints import EndpointStore
+
+ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+
+
+class Worker:
+    def __init__(self, directory: Path, index: int, count: int, addresses: Sequence[str],
+                 timeout_s: float = 3.0) -> None:  # fmt: skip
+        self.store = EndpointStore(time.monotonic)
+        self.store.set_endpoints(EndpointSpec(address) for address in addresses)
+        self.records: list[tuple[list[tuple[str, Sequence[int]]], list[int]]] = []
+        self.sync = PeerSync(
+            self.store,
+            lambda records, ids: self.records.append((list(records), list(ids))),
+            directory,
+            index,
+            count,
+            heartbeat_s=0.05,
+            timeout_s=timeout_s,
+        )
+
+    def endpoint(self, address: str):  # type: ignore[no-untyped-def]
+        return self.store.by_address[address]
+
+    def counts(self, address: str) -> tuple[float, ...]:
+        i = self.endpoint(address).id
+        s = self.store
+        return (s.in_flight[i], s.in_flight_tokens[i], s.prefill_tokens[i],
+                s.prefill_requests[i], s.prefill_pairs[i])  # fmt: skip
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def connected(a: Worker, b: Worker) -> list[asyncio.Task[None]]:
+    """Start both and wait until each has heard the other's snapshot (ZMQ connects late)."""
+    a.sync.start()
+    b.sync.start()
+    tasks = [asyncio.create_task(a.sync.run()), asyncio.create_task(b.sync.run())]
+    await eventually(lambda: b.sync.index in a.sync.peers and a.sync.index in b.sync.peers)
+    return tasks
+
+
+async def stop(tasks: list[asyncio.Task[None]], *workers: Worker) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for worker in workers:
+        worker.sync.close()
+
+
+async def test_a_pick_reaches_the_other_worker_by_address(tmp_path: Path) -> None:
+    a = Worker(tmp_path, 0, 2, ADDRESSES)
+    b = Worker(tmp_path, 1, 2, list(reversed(ADDRESSES)))  # other ids for the same addresses
+    tasks = await connected(a, b)
+    try:
+        decode, prefill = a.endpoint(ADDRESSES[0]), a.endpoint(ADDRESSES[1])
+        a.sync.picked(decode, prefill, 900.0, 600.0, 1e5, [("prefix-cache-scorer", [1, 2, 3])])
+        await eventually(lambda: b.counts(ADDRESSES[0])[0] == 1)
+        assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
+        assert b.counts(ADDRESSES[1]) == (0, 0.0, 600.0, 1, 1e5)
+        ids = [b.endpoint(ADDRESSES[0]).id, b.endpoint(ADDRESSES[1]).id]
+        assert b.records == [([("prefix-cache-scorer", [1, 2, 3])], ids)]
+        assert ids != [decode.id, prefill.id]  # the test would pass by chance otherwise
+
+        a.sync.prefilled(prefill, 600.0, 1e5)
+        await eventually(lambda: b.counts(ADDRESSES[1]) == (0, 0.0, 0.0, 0, 0.0))
+        a.sync.released(decode, 900.0)
+        await eventually(lambda: b.counts(ADDRESSES[0]) == (0, 0.0, 0.0, 0, 0.0))
+        # b's own picks count beside a's, and a sees them.
+        b.sync.took(b.endpoint(ADDRESSES[2]))
+        b.store.in_flight[b.endpoint(ADDRESSES[2]).id] += 1  # as the director does
+        a.sync.took(a.endpoint(ADDRESSES[2]))
+        a.store.in_flight[a.endpoint(ADDRESSES[2]).id] += 1
+        await eventually(lambda: a.counts(ADDRESSES[2])[0] == 2 and b.counts(ADDRESSES[2])[0] == 2)
+        # A snapshot round keeps the sum (nothing counted twice).
+        await asyncio.sleep(0.2)
+        assert a.counts(ADDRESSES[2])[0] == 2 and b.counts(ADDRESSES[2])[0] == 2
+    finally:
+        await stop(tasks, a, b)
+
+
+async def test_a_silent_worker_loses_its_counts(tmp_path: Path) -> None:
+    a = Worker(tmp_path, 0, 2, ADDRESSES)
+    b = Worker(tmp_path, 1, 2, ADDRESSES, timeout_s=0.3)
+    tasks = await connected(a, b)
+    try:
+        a.sync.took(a.endpoint(ADDRESSES[0]))
+        await eventually(lambda: b.counts(ADDRESSES[0])[0] == 1)
+        tasks[0].cancel()  # a stops sending (as a killed worker would)
+        a.sync.close()
+        await eventually(lambda: b.counts(ADDRESSES[0])[0] == 0, timeout_s=3.0)
+        assert 0 not in b.sync.peers
+    finally:
+        await stop(tasks, b)
+
+
+async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    pack = msgpack.packb
+    b.sync.apply(pack([PICK, 0, 111, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    b.sync.apply(pack([PICK, 0, 111, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    assert b.counts(ADDRESSES[0]) == (2, 20.0, 20.0, 2, 10.0)
+    # The same worker index, a new incarnation: what the old one counted is gone.
+    b.sync.apply(pack([PICK, 0, 222, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    assert b.counts(ADDRESSES[0]) == (1, 10.0, 10.0, 1, 5.0)
+
+
+async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    pack = msgpack.packb
+    b.sync.apply(pack([PICK, 0, 7, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    # The release was lost; the sender's next snapshot says it has nothing in flight, and
+    # counts of an address b does not know are kept for when it does.
+    b.sync.apply(pack([SNAPSHOT, 0, 7, {"10.9.9.9:1": [3, 0, 0, 0, 0]}]))
+    assert b.counts(ADDRESSES[0]) == (0, 0.0, 0.0, 0, 0.0)
+    b.store.set_endpoints(EndpointSpec(a) for a in [*ADDRESSES, "10.9.9.9:1"])
+    b.sync.reconcile()
+    assert b.counts("10.9.9.9:1")[0] == 3
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([PICK, 0]),
+        msgpack.packb([99, 0, 1]),
+        msgpack.packb([PICK, 0, 1, 5, None, 1, 1, 1, []]),  # an address that is not a string
+        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, "x", 1, []]),
+        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]]]),
+        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, float("nan"), 1, []]),
+        msgpack.packb([SNAPSHOT, 0, 1, {ADDRESSES[0]: [1, 2]}]),
+        msgpack.packb({"a": 1}),
+    ],
+)
+def test_a_malformed_message_is_counted_and_changes_nothing(tmp_path: Path, data: bytes) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    b.sync.apply(data)
+    assert b.sync.malformed == 1
+    assert all(b.counts(address) == (0, 0.0, 0.0, 0, 0.0) for address in ADDRESSES)
+    b.sync.apply(msgpack.packb([PICK, 0, 1, ADDRESSES[1], None, 1.0, 1.0, 1.0, []]))
+    assert b.counts(ADDRESSES[1])[0] == 1
+
+
+def test_a_worker_index_must_be_in_range(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        Worker(tmp_path, 2, 2, ADDRESSES)

@@ -1,0 +1,83 @@
+"""The supervisor's pieces (kv_picker.workers): merged metrics, each worker's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_picker.config import load_config
+from kv_picker.metrics import PickerMetrics
+from kv_picker.plugins import builtin_registry
+from kv_picker.workers import WorkerSpec, merge_expositions, parse_worker
+
+
+def exposition(requests: int, running: int, endpoint_waiting: float, latency_s: float) -> str:
+    metrics = PickerMetrics(CollectorRegistry())
+    metrics.requests.labels("m", "routed").inc(requests)
+    metrics.running.set(running)
+    metrics.endpoint_waiting.labels("10.0.0.1:8000").set(endpoint_waiting)
+    metrics.request_seconds.observe(latency_s)
+    return generate_latest(metrics.registry).decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_merged_metrics_sum_activity_and_keep_one_view_of_shared_state() -> None:
+    a = exposition(requests=3, running=2, endpoint_waiting=4.0, latency_s=0.02)
+    b = exposition(requests=5, running=1, endpoint_waiting=6.0, latency_s=3.0)
+    merged = samples(merge_expositions([a, b]).decode())
+    model = (("model", "m"), ("outcome", "routed"))
+    assert merged[("kv_picker_requests_total", model)] == 8
+    assert merged[("kv_picker_requests_running", ())] == 3  # each process's own: summed
+    # Every worker scrapes the same endpoint: its signal is not doubled.
+    assert merged[("kv_picker_endpoint_requests_waiting", (("endpoint", "10.0.0.1:8000"),))] == 6
+    assert merged[("kv_picker_request_duration_seconds_count", ())] == 2
+    assert merged[("kv_picker_request_duration_seconds_sum", ())] == pytest.approx(3.02)
+    assert merged[("kv_picker_request_duration_seconds_bucket", (("le", "0.025"),))] == 1
+    assert merged[("kv_picker_request_duration_seconds_bucket", (("le", "+Inf"),))] == 2
+    created_a = samples(a)[("kv_picker_requests_created", model)]
+    created_b = samples(b)[("kv_picker_requests_created", model)]
+    assert merged[("kv_picker_requests_created", model)] == min(created_a, created_b)
+
+
+def test_merging_one_exposition_changes_no_value() -> None:
+    a = exposition(requests=3, running=2, endpoint_waiting=4.0, latency_s=0.02)
+    assert samples(merge_expositions([a]).decode()) == samples(a)
+    assert merge_expositions([]) == b""
+
+
+def test_each_worker_runs_the_config_with_the_supervisors_ports(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(
+        "seed: 7\nserver: {grpcPort: 0, admin: {port: 0}}\n"
+        "requestLog: {path: " + str(tmp_path / "requests.jsonl") + "}\n"
+    )
+    config = load_config(path, builtin_registry(include_entry_points=False))
+    spec = WorkerSpec(1, 2, tmp_path, grpc_port=9102, admin_port=9104, salt="shared")
+    applied = spec.apply(config)
+    assert applied.server.grpc_port == 9102
+    assert applied.server.admin.port == 9104
+    assert applied.request_log is not None
+    assert applied.request_log.path == str(tmp_path / "requests.jsonl") + ".worker-1"
+    assert applied.request_log.salt == "shared"
+    assert applied.seed == 8
+    assert spec.apply(applied.__class__()).request_log is None
+
+
+@pytest.mark.parametrize("text", ["2/2", "-1/2", "x/2", "1", "1/"])
+def test_a_bad_worker_argument_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_worker(text)
+
+
+def test_a_worker_argument_is_parsed() -> None:
+    assert parse_worker("1/3") == (1, 3)
