@@ -8,6 +8,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "overhead": "kv_picker_bench.overhead",
     "overload": "kv_picker_bench.overload",
+    "workers": "kv_picker_bench.workers_bench",
     "pd": "kv_picker_bench.pd_bench",
     "kv-index": "kv_picker_bench.kv_index_bench",
     "precise-vs-approx": "kv_picker_bench.precise_vs_approx",
@@ -29,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: kv-picker bench {" + ",".join(COMMANDS) + "} [--help]")
         print("  overhead   latency/throughput added by kv-picker vs Envoy routing directly")
         print("  overload   offered vs served vs latency past one picker's capacity (shedding)")
+        print("  workers    serve --workers N pinned to 1 or 2 cores: throughput, CPU per request")
         print("  pd         P/D vs aggregated (hardware-aware, -blind) on a heterogeneous pool")
         print("  kv-index   precise KV index: event ingestion, lookup latency, memory, Redis")
         print("  precise-vs-approx  KV-event routing vs approximate when caches evict/restart")

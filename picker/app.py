@@ -13,7 +13,9 @@ PickerApp.start()
   ├── KV index task (any backend; Redis: batched writes, outage detection and resync)
   ├── request log writer thread (with requestLog): routed requests -> Mooncake JSONL files
   ├── span exporter thread (with tracing): OpenTelemetry spans of the routing path
-  └── config watcher task (when loaded from a file): reload on change, keep the old on error
+  ├── config watcher task (when loaded from a file): reload on change, keep the old on error
+  └── PeerSync task (as one of serve --workers' processes): picks and counts exchanged with the
+        other workers (kv_picker.peers); HTTP then on a Unix socket the supervisor reads
 ```
 
 Endpoints come from the config's static ``endpoints`` list or from Kubernetes discovery, never

@@ -7,15 +7,16 @@ the queued prefill work. Scraped metrics and KV events do not need it: every wor
 from the endpoints.
 
 ```
-worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker        (msgpack, one frame)
+worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker
 
-  pick      [0, i, incarnation, destination, prefill | None, prompt tokens, prefill tokens,
-             prefill pairs, [[plugin name, keys], ...]]
-  take      [1, i, incarnation, destination]                          (a request without body)
-  release   [2, i, incarnation, destination, prompt tokens]           (the request finished)
-  prefilled [3, i, incarnation, prefill target, tokens, pairs]        (its first byte came back)
-  snapshot  [4, i, incarnation, {address: [in flight, in-flight tokens, prefill tokens,
-             prefill requests, prefill pairs]}]                                 (every 0.5 s)
+frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, ...]]
+  pick      [0, destination, prefill | None, prompt tokens, prefill tokens, prefill pairs,
+             [[plugin name, keys], ...]]
+  take      [1, destination]                                   (a request without a body)
+  release   [2, destination, prompt tokens]                    (the request finished)
+  prefilled [3, prefill target, tokens, pairs]                 (its first byte came back)
+  snapshot  [4, {address: [in flight, in-flight tokens, prefill tokens, prefill requests,
+             prefill pairs]}]                                            (every 0.5 s)
 ```
 
 Endpoints are named by address (ids are each worker's own). A receiving worker applies a delta
@@ -26,8 +27,9 @@ to its own plus its live peers'. So a lost message, a late joiner (ZMQ drops wha
 subscriber was not connected for) or a crashed worker heals within a snapshot period or the
 timeout, and no count survives the worker that made it.
 
-A message costs the sender one non-blocking send (a PUB socket drops rather than blocks when a
-peer is slow) and each other worker one decode and apply, about what the pick itself recorded.
+The messages of one event-loop turn leave together, in one non-blocking send (a PUB socket
+drops rather than blocks when a peer is slow). Each other worker decodes them and applies them;
+a pick costs it about what the pick cost its own worker to record.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class PeerSync:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
         self._packer = msgpack.Packer()
+        self._outbox: list[list[Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -146,7 +149,7 @@ class PeerSync:
         """Send snapshots and expire silent peers, until cancelled."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._send([SNAPSHOT, self.index, self.incarnation, self.local])
+            self._send([SNAPSHOT, self.local])
             now = self._clock()
             gone = [w for w, peer in self.peers.items() if now - peer.last_seen_s > self.timeout_s]
             for worker in gone:
@@ -182,34 +185,41 @@ class PeerSync:
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
         target = prefill or destination
         _add(self.local, target.address, 0, 0, prefill_tokens, 1, pairs)
-        self._send([PICK, self.index, self.incarnation, destination.address,
-                    prefill.address if prefill is not None else None, prompt_tokens,
-                    prefill_tokens, pairs, records])  # fmt: skip
+        self._send([PICK, destination.address, prefill.address if prefill is not None else None,
+                    prompt_tokens, prefill_tokens, pairs, records])  # fmt: skip
 
     def took(self, destination: Endpoint) -> None:
         """A request without a body was routed to ``destination``."""
         _add(self.local, destination.address, 1, 0, 0, 0, 0)
-        self._send([TAKE, self.index, self.incarnation, destination.address])
+        self._send([TAKE, destination.address])
 
     def released(self, destination: Endpoint, prompt_tokens: float) -> None:
         """A request routed to ``destination`` finished."""
         _add(self.local, destination.address, -1, -prompt_tokens, 0, 0, 0)
-        self._send([RELEASE, self.index, self.incarnation, destination.address, prompt_tokens])
+        self._send([RELEASE, destination.address, prompt_tokens])
 
     def prefilled(self, target: Endpoint, tokens: float, pairs: float) -> None:
         """A request's prefill at ``target`` finished."""
         _add(self.local, target.address, 0, 0, -tokens, -1, -pairs)
-        self._send([PREFILLED, self.index, self.incarnation, target.address, tokens, pairs])
+        self._send([PREFILLED, target.address, tokens, pairs])
 
     def _send(self, message: list[Any]) -> None:
+        if self._pub is None or self._loop is None:
+            return
+        self._outbox.append(message)
+        if len(self._outbox) == 1:  # the first of this turn: send them all at its end
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        messages, self._outbox = self._outbox, []
         pub = self._pub
-        if pub is None:
+        if pub is None or not messages:
             return
         try:
-            pub.send(self._packer.pack(message), zmq.NOBLOCK)
-            self.sent += 1
+            pub.send(self._packer.pack([self.index, self.incarnation, messages]), zmq.NOBLOCK)
+            self.sent += len(messages)
         except zmq.Again:  # a PUB socket drops at its high-water mark: the snapshot heals
-            self.dropped += 1
+            self.dropped += len(messages)
 
     # -- the other workers' changes ---------------------------------------------------------
 
@@ -227,52 +237,58 @@ class PeerSync:
             self._loop.call_soon(self._drain)
 
     def apply(self, data: bytes) -> None:
-        """Apply one message from another worker (a malformed one is counted and dropped,
-        having changed nothing)."""
+        """Apply one frame from another worker. A malformed message is counted and dropped,
+        having changed nothing; the frame's other messages still apply."""
         try:
-            message = msgpack.unpackb(data, use_list=True, strict_map_key=False)
-            kind, worker, incarnation = _ints(message[:3], 3)
-            if worker == self.index and incarnation == self.incarnation:
-                return
-            if kind == PICK:
-                _, _, _, destination, prefill, prompt_tokens, prefill_tokens, pairs, records = (
-                    message
-                )
-                destination = _address(destination)
-                prefill = _address(prefill) if prefill is not None else None
-                prompt_tokens, prefill_tokens, pairs = _numbers(message[5:8])
-                records = [(_name(name), _ints(keys)) for name, keys in records]
-                peer = self._peer(worker, incarnation)
-                self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
-                self._apply(peer, prefill or destination, (0, 0, prefill_tokens, 1, pairs))
-                by_address = self.store.by_address
-                ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
-                if ids and records:
-                    self.records(records, ids)
-            elif kind == TAKE and len(message) == 4:
-                self._apply(self._peer(worker, incarnation), _address(message[3]),
-                            (1, 0, 0, 0, 0))  # fmt: skip
-            elif kind == RELEASE and len(message) == 5:
-                (tokens,) = _numbers(message[4:])
-                self._apply(self._peer(worker, incarnation), _address(message[3]),
-                            (-1, -tokens, 0, 0, 0))  # fmt: skip
-            elif kind == PREFILLED and len(message) == 6:
-                tokens, pairs = _numbers(message[4:])
-                self._apply(self._peer(worker, incarnation), _address(message[3]),
-                            (0, 0, -tokens, -1, -pairs))  # fmt: skip
-            elif kind == SNAPSHOT and len(message) == 4:
-                totals = {_address(a): _numbers(v, _FIELDS) for a, v in message[3].items()}
-                self._peer(worker, incarnation).totals = totals
-                self.reconcile()
-            else:
-                raise ValueError(f"unknown message kind {kind!r} or length {len(message)}")
-        except Exception as exc:  # only our own workers write here; never stop applying
-            self.malformed += 1
-            if self.malformed == 1 or self.malformed % 1000 == 0:
-                log.warning("malformed message from a worker (%d so far): %r", self.malformed,
-                            exc)  # fmt: skip
+            frame = msgpack.unpackb(data, use_list=True, strict_map_key=False)
+            if not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[2], list):
+                raise ValueError("a frame is [worker, incarnation, [message, ...]]")
+            worker, incarnation = _ints(frame[:2], 2)
+        except Exception as exc:
+            self._malformed(exc)
             return
-        self.received += 1
+        if worker == self.index and incarnation == self.incarnation:
+            return
+        peer = self._peer(worker, incarnation)
+        for message in frame[2]:
+            try:
+                self._apply_message(peer, message)
+            except Exception as exc:  # only our own workers write here; never stop applying
+                self._malformed(exc)
+                continue
+            self.received += 1
+
+    def _apply_message(self, peer: _Peer, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == PICK and len(message) == 7:
+            destination = _address(message[1])
+            prefill = _address(message[2]) if message[2] is not None else None
+            prompt_tokens, prefill_tokens, pairs = _numbers(message[3:6])
+            records = [(_name(name), _ints(keys)) for name, keys in message[6]]
+            self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
+            self._apply(peer, prefill or destination, (0, 0, prefill_tokens, 1, pairs))
+            by_address = self.store.by_address
+            ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
+            if ids and records:
+                self.records(records, ids)
+        elif kind == TAKE and len(message) == 2:
+            self._apply(peer, _address(message[1]), (1, 0, 0, 0, 0))
+        elif kind == RELEASE and len(message) == 3:
+            (tokens,) = _numbers(message[2:])
+            self._apply(peer, _address(message[1]), (-1, -tokens, 0, 0, 0))
+        elif kind == PREFILLED and len(message) == 4:
+            tokens, pairs = _numbers(message[2:])
+            self._apply(peer, _address(message[1]), (0, 0, -tokens, -1, -pairs))
+        elif kind == SNAPSHOT and len(message) == 2 and isinstance(message[1], dict):
+            peer.totals = {_address(a): _numbers(v, _FIELDS) for a, v in message[1].items()}
+            self.reconcile()
+        else:
+            raise ValueError(f"unknown message kind {kind!r} or length {len(message)}")
+
+    def _malformed(self, exc: Exception) -> None:
+        self.malformed += 1
+        if self.malformed == 1 or self.malformed % 1000 == 0:
+            log.warning("malformed message from a worker (%d so far): %r", self.malformed, exc)
 
     def _peer(self, worker: int, incarnation: int) -> _Peer:
         peer = self.peers.get(worker)

@@ -180,6 +180,15 @@ def merge_expositions(texts: Iterable[str]) -> bytes:
     return generate_latest(registry)
 
 
+def requests_routed(text: str) -> float:
+    """The sum of ``kv_picker_requests_total`` over its labels in one exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("kv_picker_requests_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _combine(family: Metric, sample_name: str, old: float, new: float) -> float:
     if sample_name.endswith("_created") or sample_name == "process_start_time_seconds":
         return min(old, new)
@@ -356,23 +365,29 @@ class Supervisor:
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         answers = await self._ask_all("/metrics")
-        texts = [body.decode() for answer in answers if answer is not None
-                 for status, body in (answer,) if status == 200]  # fmt: skip
+        texts: dict[int, str] = {}
+        for worker, answer in zip(self.workers, answers, strict=True):
+            if answer is not None and answer[0] == 200:
+                texts[worker.index] = answer[1].decode()
         up = len(texts)
         restarts = sum(worker.restarts for worker in self.workers)
-        body = (
-            merge_expositions(texts)
-            + (
-                "# HELP kv_picker_workers Worker processes, by state (up: answered this scrape).\n"
-                "# TYPE kv_picker_workers gauge\n"
-                f'kv_picker_workers{{state="up"}} {up}\n'
-                f'kv_picker_workers{{state="down"}} {len(self.workers) - up}\n'
-                "# HELP kv_picker_worker_restarts_total Worker processes started again after they "
-                "exited.\n"
-                "# TYPE kv_picker_worker_restarts_total counter\n"
-                f"kv_picker_worker_restarts_total {restarts}\n"
-            ).encode()
-        )
+        lines = [
+            "# HELP kv_picker_workers Worker processes, by state (up: answered this scrape).",
+            "# TYPE kv_picker_workers gauge",
+            f'kv_picker_workers{{state="up"}} {up}',
+            f'kv_picker_workers{{state="down"}} {len(self.workers) - up}',
+            "# HELP kv_picker_worker_restarts_total Worker processes started again after they "
+            "exited.",
+            "# TYPE kv_picker_worker_restarts_total counter",
+            f"kv_picker_worker_restarts_total {restarts}",
+            "# HELP kv_picker_worker_requests_total Requests each worker routed since it started "
+            "(how evenly the gateway's connections spread over the workers).",
+            "# TYPE kv_picker_worker_requests_total counter",
+        ]
+        for index, text in sorted(texts.items()):
+            lines.append(f'kv_picker_worker_requests_total{{worker="{index}"}} '
+                         f"{requests_routed(text)}")  # fmt: skip
+        body = merge_expositions(texts.values()) + ("\n".join(lines) + "\n").encode()
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _healthz_handler(self, request: web.Request) -> web.Response:

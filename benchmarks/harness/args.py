@@ -263,6 +263,12 @@ def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             default="FULL_DUPLEX_STREAMED",
             help="Envoy's ext_proc request body mode",
         )
+        group.add_argument(
+            "--picker-workers",
+            type=int,
+            default=1,
+            help="kv-picker serve --workers N (default 1: one process)",
+        )
     group.add_argument(
         "--peer",
         action="append",

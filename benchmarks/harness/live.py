@@ -246,6 +246,11 @@ def _replay_target(
     # How late the client sent requests (a loaded client distorts the schedule).
     lag = [max(0.0, s - a) for s, a in zip(sent_s, scheduled, strict=True)]
     run.metrics.extra["send_lag_p99_ms"] = 1000 * latency_stats(lag)["p99"]
+    if base_url == stack.url and stack.picker_workers > 1:  # how the streams spread
+        for line in stack.picker_metrics_text().splitlines():
+            if line.startswith("kv_picker_worker_requests_total{"):
+                worker = line.split('"')[1]
+                run.metrics.extra[f"worker_{worker}_requests"] = float(line.rsplit(" ", 1)[1])
     return run
 
 
@@ -388,6 +393,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
         sims=sims,
         picker_config=documents[0] if documents else {},
         body_mode=body_mode,
+        picker_args=("--workers", str(getattr(args, "picker_workers", 1))),
         model=config.model,
         time_scale=args.time_scale,
         sim_args=sim_args,

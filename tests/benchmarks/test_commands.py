@@ -18,6 +18,7 @@ def test_help_texts() -> None:
         ["sim-endpoint", "--help"],
         ["bench", "--help"],
         ["bench", "overhead", "--help"],
+        ["bench", "workers", "--help"],
     ):
         result = kv_picker(*args, timeout_s=30)
         assert result.returncode == 0, (args, result.stderr)

@@ -25,7 +25,12 @@ jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-val
 
 from kv_picker.config import PickerConfig, load_config  # noqa: E402
 from kv_picker.plugins import builtin_registry  # noqa: E402
-from kv_picker_bench.localstack import envoy_binary, envoy_bootstrap, picker_tls  # noqa: E402
+from kv_picker_bench.localstack import (  # noqa: E402
+    PICKER_STREAMS_PER_CONNECTION,
+    envoy_binary,
+    envoy_bootstrap,
+    picker_tls,
+)
 from tests.certificates import CertificateAuthority  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kv-picker"
@@ -568,9 +573,38 @@ def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
     assert config.server.tls.cert_path == "/etc/kv-picker/tls/tls.crt"
 
 
+def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None:
+    manifests = render({"workers": 3, "envoy": {"enabled": True}})
+    spec = find(manifests, "Deployment", "gw-kv-picker")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    args = container["args"]
+    assert args[args.index("--workers") + 1] == "3"
+    # A gRPC probe would reach one worker; /readyz is every worker's.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (run,) = [v for v in spec["volumes"] if v["name"] == "run"]
+    assert "emptyDir" in run
+    assert {"name": "run", "mountPath": "/tmp"} in container["volumeMounts"]
+    chart = envoy_config(manifests)
+    ext_proc = next(c for c in chart["static_resources"]["clusters"] if c["name"] == "ext_proc")
+    options = ext_proc["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]["explicit_http_config"]["http2_protocol_options"]
+    assert options == {"max_concurrent_streams": PICKER_STREAMS_PER_CONNECTION}
+    assert _envoy_validate(chart, tmp_path).returncode == 0
+    # One worker: the command and the probes of a single process.
+    single = find(render({}), "Deployment", "gw-kv-picker")["spec"]["template"]["spec"]
+    assert "--workers" not in single["containers"][0]["args"]
+    assert "grpc" in single["containers"][0]["readinessProbe"]
+    assert not [v for v in single["volumes"] if v["name"] == "run"]
+
+
 @pytest.mark.parametrize(
     "values",
     [
+        {"workers": 0},
+        {"workers": "2"},
         {"replicaCount": "two"},
         {"grpc": {"port": 70000}},
         {"tls": {"enabled": True}},

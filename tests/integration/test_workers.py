@@ -124,6 +124,7 @@ def test_both_workers_serve_and_learn_each_others_picks(stack: LocalStack) -> No
     merged = merged_samples(stack)
     assert merged[ROUTED] == 64
     assert merged["kv_picker_workers{state=up}"] == 2
+    assert [merged[f"kv_picker_worker_requests_total{{worker={i}}}"] for i in range(2)] == served
 
     # Each worker's approximate index holds every pick, its own and the other's.
     key = "kv_picker_prefix_index_keys{plugin=prefix-cache-scorer}"

@@ -114,24 +114,30 @@ async def test_a_silent_worker_loses_its_counts(tmp_path: Path) -> None:
         await stop(tasks, b)
 
 
+def frame(worker: int, incarnation: int, *messages: list[object]) -> bytes:
+    data: bytes = msgpack.packb([worker, incarnation, list(messages)])
+    return data
+
+
+def pick(address: str, tokens: float = 10.0, pairs: float = 5.0) -> list[object]:
+    return [PICK, address, None, tokens, tokens, pairs, []]
+
+
 async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> None:
     b = Worker(tmp_path, 1, 2, ADDRESSES)
-    pack = msgpack.packb
-    b.sync.apply(pack([PICK, 0, 111, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
-    b.sync.apply(pack([PICK, 0, 111, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    b.sync.apply(frame(0, 111, pick(ADDRESSES[0]), pick(ADDRESSES[0])))
     assert b.counts(ADDRESSES[0]) == (2, 20.0, 20.0, 2, 10.0)
     # The same worker index, a new incarnation: what the old one counted is gone.
-    b.sync.apply(pack([PICK, 0, 222, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    b.sync.apply(frame(0, 222, pick(ADDRESSES[0])))
     assert b.counts(ADDRESSES[0]) == (1, 10.0, 10.0, 1, 5.0)
 
 
 async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
     b = Worker(tmp_path, 1, 2, ADDRESSES)
-    pack = msgpack.packb
-    b.sync.apply(pack([PICK, 0, 7, ADDRESSES[0], None, 10.0, 10.0, 5.0, []]))
+    b.sync.apply(frame(0, 7, pick(ADDRESSES[0])))
     # The release was lost; the sender's next snapshot says it has nothing in flight, and
     # counts of an address b does not know are kept for when it does.
-    b.sync.apply(pack([SNAPSHOT, 0, 7, {"10.9.9.9:1": [3, 0, 0, 0, 0]}]))
+    b.sync.apply(frame(0, 7, [SNAPSHOT, {"10.9.9.9:1": [3, 0, 0, 0, 0]}]))
     assert b.counts(ADDRESSES[0]) == (0, 0.0, 0.0, 0, 0.0)
     b.store.set_endpoints(EndpointSpec(a) for a in [*ADDRESSES, "10.9.9.9:1"])
     b.sync.reconcile()
@@ -143,14 +149,17 @@ async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
     [
         b"",
         b"\xc1",
-        msgpack.packb([PICK, 0]),
-        msgpack.packb([99, 0, 1]),
-        msgpack.packb([PICK, 0, 1, 5, None, 1, 1, 1, []]),  # an address that is not a string
-        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, "x", 1, []]),
-        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]]]),
-        msgpack.packb([PICK, 0, 1, ADDRESSES[0], None, 1, float("nan"), 1, []]),
-        msgpack.packb([SNAPSHOT, 0, 1, {ADDRESSES[0]: [1, 2]}]),
         msgpack.packb({"a": 1}),
+        msgpack.packb([0, 1]),
+        msgpack.packb([0, "1", []]),
+        frame(0, 1, [PICK, ADDRESSES[0]]),
+        frame(0, 1, [99, ADDRESSES[0]]),
+        frame(0, 1, [PICK, 5, None, 1, 1, 1, []]),  # an address that is not a string
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, "x", 1, []]),
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]]]),
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, float("nan"), 1, []]),
+        frame(0, 1, [SNAPSHOT, {ADDRESSES[0]: [1, 2]}]),
+        frame(0, 1, "not a message"),
     ],
 )
 def test_a_malformed_message_is_counted_and_changes_nothing(tmp_path: Path, data: bytes) -> None:
@@ -158,8 +167,16 @@ def test_a_malformed_message_is_counted_and_changes_nothing(tmp_path: Path, data
     b.sync.apply(data)
     assert b.sync.malformed == 1
     assert all(b.counts(address) == (0, 0.0, 0.0, 0, 0.0) for address in ADDRESSES)
-    b.sync.apply(msgpack.packb([PICK, 0, 1, ADDRESSES[1], None, 1.0, 1.0, 1.0, []]))
+    assert b.records == []
+    b.sync.apply(frame(0, 1, pick(ADDRESSES[1])))
     assert b.counts(ADDRESSES[1])[0] == 1
+
+
+def test_a_bad_message_spoils_only_itself(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    b.sync.apply(frame(0, 1, pick(ADDRESSES[0]), [PICK, 5], pick(ADDRESSES[1])))
+    assert (b.sync.malformed, b.sync.received) == (1, 2)
+    assert b.counts(ADDRESSES[0])[0] == 1 and b.counts(ADDRESSES[1])[0] == 1
 
 
 def test_a_worker_index_must_be_in_range(tmp_path: Path) -> None:
