@@ -256,12 +256,12 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self._watch_config(), name="config-watcher"))
         self._tasks.append(asyncio.create_task(self._become_ready(), name="readiness"))
         log.info(
-            "kv-picker serving ext_proc on %s:%d (%s), admin on %s, metrics on :%d, %d endpoints",
+            "kv-picker serving ext_proc on %s:%d (%s), admin on %s, metrics on %s, %d endpoints",
             config.server.host,
             self.grpc_port,
             _security(config.server.tls),
             f"{admin.host}:{self.admin_port} ({_security(admin.tls)})" if admin.enabled else "off",
-            self.metrics_port,
+            f":{self.metrics_port}" if worker is None else worker.http_socket(),
             len(self.store),
         )
 

@@ -46,10 +46,13 @@ def extension_commands() -> dict[str, EntryPoint]:
     return found
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, worker: str | None = None) -> None:
+    # A worker of serve --workers names itself: its lines share the supervisor's output.
+    index = (worker or "").partition("/")[0]
+    origin = f"[worker {index}] " if index.isdigit() else ""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {origin}%(name)s: %(message)s",
     )
 
 
@@ -67,13 +70,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config, _ = _load(args.config)
     if args.workers < 1:
-        raise SystemExit("kv-picker serve: --workers must be at least 1")
+        print("kv-picker serve: --workers must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
     main: Coroutine[Any, Any, None]
     if args.worker is not None:  # one of a supervisor's workers
         try:
             spec = worker_spec(args.worker, args.worker_dir, args.grpc_port, args.admin_port)
-        except (TypeError, ValueError) as exc:
-            raise SystemExit(f"kv-picker serve: bad --worker arguments: {exc}") from exc
+        except ValueError as exc:
+            print(f"kv-picker serve: bad --worker arguments: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         main = serve(args.config, config, spec)
     elif args.workers > 1:
         main = supervise(
@@ -299,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not word.startswith("-") and (position == 0 or argv[position - 1] != "--log-level"):
             break  # the first positional word is the command
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, getattr(args, "worker", None))
     try:
         if args.command == "serve":
             return cmd_serve(args)

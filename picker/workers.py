@@ -44,10 +44,9 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -434,10 +433,21 @@ async def supervise(
 
 
 def worker_spec(
-    worker: str, directory: str, grpc_port: int, admin_port: int, env: dict[str, str] | Any = None
+    worker: str,
+    directory: str | None,
+    grpc_port: int,
+    admin_port: int,
+    env: Mapping[str, str] | None = None,
 ) -> WorkerSpec:
-    """The spec of a worker from its hidden ``serve`` arguments."""
+    """The spec of a worker from its hidden ``serve`` arguments (and the supervisor's salt in
+    the environment).
+
+    Raises:
+        ValueError: a malformed ``--worker``, or no ``--worker-dir``.
+    """
     index, count = parse_worker(worker)
+    if not directory:
+        raise ValueError("--worker needs --worker-dir")
     environment = os.environ if env is None else env
     return WorkerSpec(index, count, Path(directory), grpc_port, admin_port,
                       environment.get(SALT_ENV))  # fmt: skip

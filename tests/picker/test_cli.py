@@ -55,6 +55,20 @@ def test_serve_rejects_a_bad_config_naming_file_and_plugin(tmp_path: Path) -> No
     assert "depth" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--worker", "2/2", "--worker-dir", "/nonexistent"], "bad --worker"),
+        (["--worker", "0/2"], "--worker-dir"),
+    ],
+)
+def test_serve_refuses_bad_worker_arguments(args: list[str], message: str) -> None:
+    result = kv_picker("serve", *args, timeout_s=30)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
 def test_help_texts() -> None:
     for args in (["--help"], ["serve", "--help"], ["explain", "--help"]):
         result = kv_picker(*args, timeout_s=30)

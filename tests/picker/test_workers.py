@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_picker.config import load_config
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
-from kv_picker.workers import WorkerSpec, merge_expositions, parse_worker
+from kv_picker.workers import SALT_ENV, WorkerSpec, merge_expositions, parse_worker, worker_spec
 
 
 def exposition(requests: int, running: int, endpoint_waiting: float, latency_s: float) -> str:
@@ -81,3 +81,11 @@ def test_a_bad_worker_argument_is_refused(text: str) -> None:
 
 def test_a_worker_argument_is_parsed() -> None:
     assert parse_worker("1/3") == (1, 3)
+
+
+def test_a_worker_spec_needs_its_directory_and_reads_the_salt(tmp_path: Path) -> None:
+    spec = worker_spec("1/2", str(tmp_path), 9102, 0, env={SALT_ENV: "s"})
+    assert (spec.index, spec.count, spec.salt) == (1, 2, "s")
+    assert spec.http_socket() == tmp_path / "worker-1.http"
+    with pytest.raises(ValueError, match="worker-dir"):
+        worker_spec("1/2", None, 9102, 0, env={})
