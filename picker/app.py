@@ -56,7 +56,7 @@ from kv_picker.scheduling.scheduler import Scheduler
 from kv_picker.sources.kubernetes import KubernetesDiscovery
 from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.sources.scrape_process import ProcessScraper
-from kv_picker.sources.scraper import MetricsScraper
+from kv_picker.sources.scraper import EndpointSignals, MetricsScraper
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.tls import CertificateFiles
 from kv_picker.tracing import RequestTracer
@@ -130,10 +130,12 @@ class PickerApp:
         self.metrics.collect_plugin_gauges(lambda: self.director.scheduler.plugin_gauges())
         self.metrics.pending.set_function(lambda: self.director.pending)
         scraper_class = ProcessScraper if config.metrics.scraper == "process" else MetricsScraper
+        # Workers share their scrapes (kv_picker.peers): each scrapes N times less often.
+        self._scrape_spread = worker.count if worker is not None else 1
         self.scraper = scraper_class(
             self.store,
             self.metrics,
-            config.metrics.scrape_interval_s,
+            config.metrics.scrape_interval_s * self._scrape_spread,
             config.metrics.timeout_s,
             config.metrics.path,
         )
@@ -243,6 +245,8 @@ class PickerApp:
             )
             self.peers.start()
             director.peers = self.peers
+            self.scraper.share = self.peers.scraped
+            self.peers.on_scrape = self._peer_scraped
             self._tasks.append(asyncio.create_task(self.peers.run(), name="peers"))
 
         if self.discovery is not None:
@@ -383,7 +387,9 @@ class PickerApp:
             )
         if config.metrics != self.config.metrics:
             self.scraper.configure(
-                config.metrics.scrape_interval_s, config.metrics.timeout_s, config.metrics.path
+                config.metrics.scrape_interval_s * self._scrape_spread,
+                config.metrics.timeout_s,
+                config.metrics.path,
             )
             self.ctx.metrics_staleness_s = config.metrics.staleness_s
             if config.metrics.scraper != self.config.metrics.scraper:
@@ -404,6 +410,16 @@ class PickerApp:
         self.metrics.config_reloads.labels("applied").inc()
         log.info("config reloaded from %s", self.config_path)
         return True
+
+    def _peer_scraped(self, address: str, signals: EndpointSignals | None, reason: str) -> None:
+        """Another worker's scrape of ``address`` (it counted its own errors)."""
+        endpoint = self.store.by_address.get(address)
+        if endpoint is None:
+            return
+        if signals is None:
+            self.scraper.failed(endpoint, reason, count_error=False)
+        else:
+            self.scraper.scraped(endpoint, signals)
 
     def _endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]) -> None:
         readded = {endpoint.address for endpoint in added}

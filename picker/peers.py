@@ -3,8 +3,7 @@
 Each worker schedules the streams the kernel hands it (one ext_proc port, SO_REUSEPORT), so
 every signal the picker makes itself would split N ways without this: the approximate prefix
 index and the speculative holders (what each endpoint was just sent), the in-flight counts and
-the queued prefill work. Scraped metrics and KV events do not need it: every worker reads them
-from the endpoints.
+the queued prefill work.
 
 ```
 worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker
@@ -17,7 +16,13 @@ frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, .
   prefilled [3, prefill target, tokens, pairs]                 (its first byte came back)
   snapshot  [4, {address: [in flight, in-flight tokens, prefill tokens, prefill requests,
              prefill pairs]}]                                            (every 0.5 s)
+  scraped   [5, address, waiting, running, KV usage, block size, GPU blocks, LoRA | None]
+  failed    [6, address, reason]                                  (a scrape of the endpoint)
 ```
+
+Scrapes are shared too: each worker scrapes every endpoint N times less often and sends what it
+read, so the endpoints see one picker's scrape rate and a worker that dies only slows the
+scrapes down. KV events need no exchange: every worker subscribes to every endpoint.
 
 Endpoints are named by address (ids are each worker's own). A receiving worker applies a delta
 to its :class:`~kv_picker.state.endpoints.EndpointStore` at once, and keeps every peer's
@@ -48,11 +53,13 @@ import msgpack
 import zmq
 
 from kv_picker.endpoint import Endpoint
+from kv_picker.sources.scrape_process import decode_signals, encode_signals
+from kv_picker.sources.scraper import EndpointSignals
 from kv_picker.state.endpoints import EndpointStore
 
 log = logging.getLogger(__name__)
 
-PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT = range(5)
+PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT, SCRAPED, SCRAPE_FAILED = range(7)
 # Per address: in flight, in-flight (prompt) tokens, prefill tokens, prefill requests, pairs.
 _FIELDS = 5
 _MAX_BATCH = 1000  # messages applied per loop callback before yielding to the loop
@@ -120,6 +127,8 @@ class PeerSync:
         self._fd = -1
         self._packer = msgpack.Packer()
         self._outbox: list[list[Any]] = []
+        # Where another worker's scrape results go: (address, signals or None, failure reason).
+        self.on_scrape: Callable[[str, EndpointSignals | None, str], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -203,6 +212,13 @@ class PeerSync:
         _add(self.local, target.address, 0, 0, -tokens, -1, -pairs)
         self._send([PREFILLED, target.address, tokens, pairs])
 
+    def scraped(self, endpoint: Endpoint, signals: EndpointSignals | None, reason: str) -> None:
+        """This worker scraped ``endpoint`` (``signals`` None: the scrape failed)."""
+        if signals is None:
+            self._send([SCRAPE_FAILED, endpoint.address, reason])
+        else:
+            self._send([SCRAPED, *encode_signals(endpoint.address, signals)])
+
     def _send(self, message: list[Any]) -> None:
         if self._pub is None or self._loop is None:
             return
@@ -279,6 +295,13 @@ class PeerSync:
         elif kind == PREFILLED and len(message) == 4:
             tokens, pairs = _numbers(message[2:])
             self._apply(peer, _address(message[1]), (0, 0, -tokens, -1, -pairs))
+        elif kind == SCRAPED and len(message) == 8:
+            signals = decode_signals(message[1:])
+            if self.on_scrape is not None:
+                self.on_scrape(_address(message[1]), signals, "")
+        elif kind == SCRAPE_FAILED and len(message) == 3:
+            if self.on_scrape is not None:
+                self.on_scrape(_address(message[1]), None, str(message[2]))
         elif kind == SNAPSHOT and len(message) == 2 and isinstance(message[1], dict):
             peer.totals = {_address(a): _numbers(v, _FIELDS) for a, v in message[1].items()}
             self.reconcile()

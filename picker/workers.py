@@ -8,9 +8,10 @@ supervisor (this module)                            server.metricsPort: /metrics
   ├── worker 0 ─┐ ext_proc + health on server.grpcPort, admin on server.admin.port, all bound
   ├── worker 1 ─┤ with SO_REUSEPORT: the kernel spreads new connections (Envoy's ext_proc
   └── ...      ─┘ streams ride them) over the workers
-        │ each: its own scrapes and KV-event subscriptions (every worker sees every endpoint),
-        │ /metrics /healthz /readyz on a Unix socket in the run directory, and
-        └ kv_picker.peers: its picks, in-flight counts and queued prefill sent to the others
+        │ each: its own KV-event subscriptions (every worker sees every endpoint), /metrics
+        │ /healthz /readyz on a Unix socket in the run directory, and
+        └ kv_picker.peers: its picks, in-flight counts, queued prefill and scrape results
+          sent to the others (each scrapes every endpoint N times less often)
 ```
 
 Routing stays that of one picker: what a pick teaches the approximate index and the speculative
@@ -25,8 +26,8 @@ failing); its peers drop its counts when it falls silent. SIGTERM or SIGINT is p
 worker, each drains as a single picker does, and the supervisor exits when they have. Workers
 die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no process behind.
 
-Costs of N workers: N times the scrapes and KV-event subscriptions, N copies of the indexes,
-and one message per pick, release and first byte to each other worker.
+Costs of N workers: N times the KV-event subscriptions, N copies of the indexes, and each pick,
+release, first byte and scrape applied by every other worker too.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ class SimMetrics:
         self.pd_legs = {"prefill": 0, "decode": 0}
         self.pd_leg_failures = 0
         self.transferred_blocks = 0
+        self.scrapes = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -152,7 +153,8 @@ class SimMetrics:
             self.e2e.observe(summary.e2e_s)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of the current state."""
+        """The Prometheus text exposition of the current state (counted as a scrape)."""
+        self.scrapes += 1
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
@@ -296,6 +298,11 @@ class SimMetrics:
             "kv_picker_sim_transferred_blocks",
             "KV blocks pulled from prefill endpoints (those not already cached here).",
             self.transferred_blocks,
+        )
+        yield counter(
+            "kv_picker_sim_metrics_scrapes",
+            "Times /metrics was read, this read included (how often routers scrape).",
+            self.scrapes,
         )
 
         info = GaugeMetricFamily(

@@ -147,14 +147,15 @@ class ProcessScraper(MetricsScraper):
             if endpoint is None:
                 return
             if len(message) == 2:
-                self.failed(endpoint, str(message[1]))
+                self.result(endpoint, None, str(message[1]))
             else:
-                self.scraped(endpoint, _signals(message))
+                self.result(endpoint, decode_signals(message))
         except (ValueError, TypeError, IndexError, KeyError) as exc:
             log.error("unreadable line from the metrics scrape process: %s", exc)
 
 
-def _signals(message: Sequence[Any]) -> EndpointSignals:
+def decode_signals(message: Sequence[Any]) -> EndpointSignals:
+    """[name, waiting, running, KV usage, block size, GPU blocks, LoRA] -> signals."""
     _, waiting, running, kv_usage, block_size, num_blocks, lora = message
     return EndpointSignals(
         waiting=float(waiting),
@@ -168,10 +169,11 @@ def _signals(message: Sequence[Any]) -> EndpointSignals:
     )
 
 
-def _encode(token: int, signals: EndpointSignals) -> list[Any]:
+def encode_signals(name: object, signals: EndpointSignals) -> list[Any]:
+    """Signals as a list that JSON or msgpack carries, led by ``name`` (see decode_signals)."""
     lora = signals.lora
     return [
-        token,
+        name,
         signals.waiting,
         signals.running,
         signals.kv_usage,
@@ -214,7 +216,7 @@ class _Child:
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
             self.emit([token, str(exc) or type(exc).__name__])
             return
-        self.emit(_encode(token, signals))
+        self.emit(encode_signals(token, signals))
 
     async def read_commands(self) -> None:
         loop = asyncio.get_running_loop()

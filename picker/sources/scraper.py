@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -143,6 +143,9 @@ class MetricsScraper:
         self.path = path
         self.rounds = 0
         self._session: aiohttp.ClientSession | None = None
+        # With serve --workers: each of this scraper's results, for the other workers (a failed
+        # scrape has no signals and a reason); results they send come in by scraped/failed.
+        self.share: Callable[[Endpoint, EndpointSignals | None, str], None] | None = None
 
     def configure(self, interval_s: float, timeout_s: float, path: str) -> None:
         """New settings (a config reload); the next scrapes use them."""
@@ -213,17 +216,30 @@ class MetricsScraper:
         try:
             signals = await fetch_signals(session, endpoint.address, self.path)
         except (aiohttp.ClientError, TimeoutError, MetricsParseError, UnicodeDecodeError) as exc:
-            self.failed(endpoint, str(exc) or type(exc).__name__)
+            self.result(endpoint, None, str(exc) or type(exc).__name__)
             return
-        self.scraped(endpoint, signals)
+        self.result(endpoint, signals)
 
-    def failed(self, endpoint: Endpoint, reason: str) -> None:
-        """A scrape of ``endpoint`` failed: not ready until one succeeds."""
+    def result(self, endpoint: Endpoint, signals: EndpointSignals | None, reason: str = "") -> None:
+        """This scraper's own result (``signals`` None: it failed for ``reason``): applied, and
+        shared with the other workers when there are any."""
+        if signals is None:
+            self.failed(endpoint, reason)
+        else:
+            self.scraped(endpoint, signals)
+        if self.share is not None:
+            self.share(endpoint, signals, reason)
+
+    def failed(self, endpoint: Endpoint, reason: str, count_error: bool = True) -> None:
+        """A scrape of ``endpoint`` failed: not ready until one succeeds.
+
+        ``count_error`` False: another worker's scrape, which that worker counted."""
         if self.store.get(endpoint.id) is endpoint:  # else it left: no series for it
             if self.store.ready[endpoint.id]:
                 log.warning("endpoint %s not ready: %s", endpoint.address, reason)
             self.store.set_ready(endpoint.id, False)
-            self.metrics.scrape_errors.labels(endpoint.address).inc()
+            if count_error:
+                self.metrics.scrape_errors.labels(endpoint.address).inc()
 
     def scraped(self, endpoint: Endpoint, signals: EndpointSignals) -> None:
         """A good scrape of ``endpoint``: its signals into the store and the gauges."""

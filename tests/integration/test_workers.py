@@ -164,6 +164,32 @@ def test_a_prefix_stays_on_one_endpoint_whichever_worker_routes_it(stack: LocalS
     assert len(served_by) == 1, served_by
 
 
+def test_the_endpoints_see_one_pickers_scrape_rate(stack: LocalStack) -> None:
+    """Each worker scrapes every endpoint half as often and shares what it read."""
+
+    def scrapes() -> float:
+        return sum(m["kv_picker_sim_metrics_scrapes_total"] for m in stack.sim_metrics().values())
+
+    before, started = scrapes(), time.monotonic()
+    time.sleep(3.0)
+    per_endpoint_s = (scrapes() - before - 4) / 4 / (time.monotonic() - started)  # 4 reads ours
+    # The config's 100 ms interval: 10 scrapes a second, not 20 (each worker at 100 ms).
+    assert 5 <= per_endpoint_s <= 14, per_endpoint_s
+    # And every worker holds fresh signals of every endpoint.
+    for i in range(2):
+        assert worker_samples(stack, i)["kv_picker_endpoints{state=ready}"] == 4
+
+
+def test_a_config_change_reaches_every_worker(stack: LocalStack) -> None:
+    key = "kv_picker_config_reloads_total{result=applied}"
+    before = merged_samples(stack)[key]
+    # Same routing, another spelling: the file changes, so each worker reloads it.
+    stack.write_picker_config({**PREFIX_ONLY, "seed": 3})
+    wait_for(lambda: merged_samples(stack)[key] == before + 2, 10.0, "a reload in each worker")
+    assert all(worker_samples(stack, i)[key] >= 1 for i in range(2))
+    assert burst(stack, 8, "after-reload") == [200] * 8
+
+
 def test_a_killed_worker_is_started_again(stack: LocalStack) -> None:
     old = workers_of(stack)
     os.kill(old[0], signal.SIGKILL)

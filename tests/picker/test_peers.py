@@ -11,8 +11,9 @@ import msgpack
 import pytest
 
 from kv_picker.endpoint import EndpointSpec
-from kv_picker.peers import PICK, SNAPSHOT, PeerSync
-from kv_picker.state.endpoints import EndpointStore
+from kv_picker.peers import PICK, SCRAPED, SNAPSHOT, PeerSync
+from kv_picker.sources.scraper import EndpointSignals
+from kv_picker.state.endpoints import EndpointStore, LoraState
 
 ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 
@@ -177,6 +178,23 @@ def test_a_bad_message_spoils_only_itself(tmp_path: Path) -> None:
     b.sync.apply(frame(0, 1, pick(ADDRESSES[0]), [PICK, 5], pick(ADDRESSES[1])))
     assert (b.sync.malformed, b.sync.received) == (1, 2)
     assert b.counts(ADDRESSES[0])[0] == 1 and b.counts(ADDRESSES[1])[0] == 1
+
+
+def test_another_workers_scrapes_reach_the_scrape_sink(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    seen: list[tuple[str, EndpointSignals | None, str]] = []
+    b.sync.on_scrape = lambda address, signals, reason: seen.append((address, signals, reason))
+    lora = LoraState(frozenset({"a"}), frozenset(), 2)
+    signals = EndpointSignals(3.0, 1.0, 0.5, 16, 4096, lora)
+    sender = Worker(tmp_path, 0, 2, ADDRESSES)
+    sent: list[list[object]] = []
+    sender.sync._send = sent.append  # type: ignore[method-assign]
+    sender.sync.scraped(sender.endpoint(ADDRESSES[0]), signals, "")
+    sender.sync.scraped(sender.endpoint(ADDRESSES[1]), None, "connection refused")
+    b.sync.apply(frame(0, 1, *sent))
+    assert seen == [(ADDRESSES[0], signals, ""), (ADDRESSES[1], None, "connection refused")]
+    b.sync.apply(frame(0, 1, [SCRAPED, ADDRESSES[0], "many", 1.0, 0.5, 16, 4096, None]))
+    assert b.sync.malformed == 1 and len(seen) == 2
 
 
 def test_a_worker_index_must_be_in_range(tmp_path: Path) -> None:
