@@ -37,8 +37,6 @@ from kv_picker.wire import DESTINATION_HEADER
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 # The InferencePool's spec.endpointPickerRef.failureMode values.
 FAILURE_MODES = ("FailClose", "FailOpen")
-# With serve --workers: ext_proc streams per HTTP/2 connection to the picker (envoy_bootstrap).
-PICKER_STREAMS_PER_CONNECTION = 4
 FALLBACK_CLUSTER = "pool_fallback_cluster"
 # Envoy's request start in microseconds since the epoch (see request_start_stamp).
 REQUEST_START_HEADER = "x-request-start"
@@ -83,7 +81,7 @@ def envoy_bootstrap(
     failure_mode: str = "FailClose",
     pool_endpoints: Sequence[str] = (),
     access_log_path: str | None = None,
-    picker_streams_per_connection: int | None = None,
+    picker_worker_ports: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
 
@@ -110,10 +108,10 @@ def envoy_bootstrap(
     The early removal matters: with the picker down, a destination header the client wrote
     would otherwise take route 1 to an address of the client's choosing.
 
-    ``picker_streams_per_connection``: at most this many ext_proc streams share one HTTP/2
-    connection to the picker, so that a busy Envoy opens several and ``kv-picker serve
-    --workers N``, whose workers the kernel hands whole connections, shares the streams out
-    (Envoy's default, unlimited, keeps one connection per Envoy worker thread).
+    ``picker_worker_ports``: the ports of ``kv-picker serve --workers N --worker-ports ...``,
+    one per worker; the ext_proc cluster lists them (on 127.0.0.1) instead of ``ext_proc_port``
+    and balances streams over them by least requests. Through the shared port the kernel would
+    hand out whole connections, and Envoy opens few.
 
     ``access_log_path``: a file access log with one line per request, ``ACCESS_LOG_FORMAT``
     (status, and the microseconds from Envoy's first byte of the request to its first byte
@@ -252,21 +250,17 @@ def envoy_bootstrap(
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
                             "HttpProtocolOptions",
-                            "explicit_http_config": {
-                                "http2_protocol_options": (
-                                    {"max_concurrent_streams": picker_streams_per_connection}
-                                    if picker_streams_per_connection
-                                    else {}
-                                )
-                            },
+                            "explicit_http_config": {"http2_protocol_options": {}},
                         },
                     },
+                    "lb_policy": "LEAST_REQUEST",
                     "load_assignment": {
                         "cluster_name": "ext_proc",
                         "endpoints": [
                             {
                                 "lb_endpoints": [
-                                    {"endpoint": {"address": socket_address(ext_proc_port)}},
+                                    {"endpoint": {"address": socket_address(port)}}
+                                    for port in (picker_worker_ports or [ext_proc_port])
                                 ]
                             }
                         ],
@@ -667,6 +661,7 @@ class LocalStack:
         self.picker_grpc_port = 0
         self.picker_admin_port = 0
         self.picker_metrics_port = 0
+        self.picker_worker_ports: list[int] = []
 
     @property
     def url(self) -> str:
@@ -787,6 +782,8 @@ class LocalStack:
             self.picker_grpc_port = free_port()
             self.picker_metrics_port = free_port()
             self.picker_admin_port = free_port()
+        if len(self.picker_worker_ports) != self.picker_workers and self.picker_workers > 1:
+            self.picker_worker_ports = [free_port() for _ in range(self.picker_workers)]
         config["server"] = {
             "host": "127.0.0.1",
             "grpcPort": self.picker_grpc_port,
@@ -835,6 +832,8 @@ class LocalStack:
             "--config",
             str(path),
         ]
+        if self.picker_workers > 1:  # Envoy balances over the workers' own ports
+            argv += ["--worker-ports", ",".join(map(str, self.picker_worker_ports))]
         self.picker = ManagedProcess("kv-picker", argv, self.workdir / "picker.log")
         self.processes.append(self.picker)
         wanted = len(self.sim_addresses) if min_ready is None else min_ready
@@ -856,9 +855,7 @@ class LocalStack:
             failure_mode=self.failure_mode,
             pool_endpoints=self.sim_addresses,
             access_log_path=str(self.access_log_path) if self.access_log else None,
-            picker_streams_per_connection=(
-                PICKER_STREAMS_PER_CONNECTION if self.picker_workers > 1 else None
-            ),
+            picker_worker_ports=self.picker_worker_ports if self.picker_workers > 1 else (),
         )
         self.envoy = self.launch_envoy("envoy", bootstrap, self.envoy_admin_port)
 

@@ -78,10 +78,22 @@ def _direct_envoy(stack: LocalStack) -> tuple[ManagedProcess, int]:
     return process, port
 
 
-def mode_bootstrap(mode: str, port: int, admin: int, ext_proc_port: int) -> dict[str, Any]:
+def mode_bootstrap(
+    mode: str,
+    port: int,
+    admin: int,
+    ext_proc_port: int,
+    picker_worker_ports: Sequence[int] = (),
+) -> dict[str, Any]:
     """The Envoy configuration of one processing mode (see the module docstring)."""
     body_mode = "BUFFERED" if mode == "buffered" else "FULL_DUPLEX_STREAMED"
-    bootstrap = envoy_bootstrap(port, admin, ext_proc_port, body_mode)
+    bootstrap = envoy_bootstrap(
+        port,
+        admin,
+        ext_proc_port,
+        body_mode,
+        picker_worker_ports=picker_worker_ports,
+    )
     if mode != "gie":
         (ext_proc,) = [
             f for f in _http_filters(bootstrap) if f["name"] == "envoy.filters.http.ext_proc"
@@ -123,6 +135,17 @@ def _summarise(
 
 
 TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
+
+
+def add_mode_argument(parser: argparse.ArgumentParser) -> None:
+    """``--mode approximate|precise``: the prefix scorer of the picker's default profile."""
+    parser.add_argument(
+        "--mode",
+        choices=("approximate", "precise"),
+        default="approximate",
+        help="prefix scorer of the picker's default profile: approximate (the built-in "
+        "default) or precise (KV events from the endpoints, the shipped tokenizer)",
+    )
 
 
 def precise_profile() -> dict[str, Any]:
@@ -269,13 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connections", default="1,16", help="comma list of client connection counts (1,16)"
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
-    parser.add_argument(
-        "--mode",
-        choices=("approximate", "precise"),
-        default="approximate",
-        help="prefix scorer of the picker's default profile: approximate (the built-in "
-        "default) or precise (KV events from the endpoints, the shipped tokenizer)",
-    )
+    add_mode_argument(parser)
     parser.add_argument(
         "--event-loop",
         choices=("asyncio", "uvloop"),

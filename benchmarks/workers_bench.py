@@ -2,8 +2,9 @@
 processes pinned (``sched_setaffinity``, as ``taskset`` does) to one core or two.
 
 ```
-client (aiohttp, C connections) ──> Envoy (ext_proc streamed, ≤ 4 streams per connection)
-                                      ──> kv-picker [--workers W], pinned to CPUS ──> endpoints
+client (aiohttp, C connections) ──> Envoy (ext_proc streamed; with W > 1, the workers' own
+                                      ports, least-request) ──> kv-picker [--workers W], pinned
+                                      to CPUS ──> endpoints
 ```
 
 Each configuration (workers × CPUs) runs on the same stack, Envoy and requests (distinct ~16 KB
@@ -46,12 +47,13 @@ from kv_picker.peers import PeerSync
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker_bench.client import Outcome, percentile, replay
-from kv_picker_bench.localstack import (
-    PICKER_STREAMS_PER_CONNECTION,
-    LocalStack,
-    free_port,
+from kv_picker_bench.localstack import LocalStack, free_port
+from kv_picker_bench.overhead import (
+    TOKENIZER,
+    add_mode_argument,
+    mode_bootstrap,
+    precise_profile,
 )
-from kv_picker_bench.overhead import TOKENIZER, mode_bootstrap, precise_profile
 from kv_picker_bench.workloads import long_prompt_requests
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -116,12 +118,22 @@ def cpu_seconds(pid: int) -> float:
     return total / _TICKS
 
 
-def start(stack: LocalStack, setup: Setup) -> None:
+def start(stack: LocalStack, setup: Setup, mode: str = "streamed") -> str:
+    """The picker of ``setup``, pinned, and an Envoy in front of it (its workers' own ports,
+    balanced by least requests, when there are several); returns Envoy's URL."""
+    if stack.envoy is not None:
+        stack.envoy.stop()
+        stack.processes.remove(stack.envoy)
     stack.picker_args = ["--workers", str(setup.workers)]
     stack.start_picker()
     assert stack.picker is not None
     pin(stack.picker.process.pid, setup.cpus)
-    time.sleep(0.5)  # the workers' scrapers and peer sockets settle after the restart
+    port, admin = free_port(), free_port()
+    ports = stack.picker_worker_ports if setup.workers > 1 else ()
+    bootstrap = mode_bootstrap(mode, port, admin, stack.picker_grpc_port, ports)
+    stack.envoy = stack.launch_envoy("envoy-workers", bootstrap, admin)
+    time.sleep(0.5)  # the workers' scrapes and peer sockets settle after the restart
+    return f"http://127.0.0.1:{port}"
 
 
 def run(
@@ -141,23 +153,12 @@ def run(
         else {}
     )
     with LocalStack(sims=endpoints, time_scale=0.0001, start_envoy=False, **options) as stack:
-        port, admin = free_port(), free_port()
-        bootstrap = mode_bootstrap("streamed", port, admin, stack.picker_grpc_port)
-        for cluster in bootstrap["static_resources"]["clusters"]:
-            if cluster["name"] == "ext_proc":
-                options = cluster["typed_extension_protocol_options"]
-                http = next(iter(options.values()))["explicit_http_config"]
-                http["http2_protocol_options"] = {
-                    "max_concurrent_streams": PICKER_STREAMS_PER_CONNECTION
-                }
-        stack.launch_envoy("envoy-workers", bootstrap, admin)
-        url = f"http://127.0.0.1:{port}"
         outcomes: dict[tuple[Setup, int], list[Outcome]] = {}
         walls: dict[tuple[Setup, int], float] = {}
         cpu: dict[tuple[Setup, int], float] = {}
         for round_index in range(rounds):
             for setup in setups:
-                start(stack, setup)
+                url = start(stack, setup)
                 assert stack.picker is not None
                 for conns in connections:
                     batch = long_prompt_requests(requests, words_per_prompt, seed=conns)
@@ -330,12 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
     parser.add_argument("--endpoints", type=int, default=16, help="simulated endpoints (16)")
     parser.add_argument("--prompt-tokens", type=int, default=4000, help="prompt length (4000)")
-    parser.add_argument(
-        "--mode",
-        choices=("approximate", "precise"),
-        default="approximate",
-        help="the default profile's prefix scorer (precise: KV events, the shipped tokenizer)",
-    )
+    add_mode_argument(parser)
     parser.add_argument(
         "--exchange",
         default=None,

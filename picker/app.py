@@ -188,6 +188,10 @@ class PickerApp:
             config.server.tls,
             lambda result: reloads.labels("grpc", result).inc(),
         )
+        worker = self.worker
+        if worker is not None and worker.own_port:  # this worker's alone (--worker-ports)
+            _bind(server, config.server.host, worker.own_port, config.server.tls,
+                  lambda result: reloads.labels("grpc", result).inc())  # fmt: skip
         await server.start()
         self._grpc_server = server
         # Alive at once; ready (and routable for a health-checking gateway) once the pool is
@@ -224,7 +228,6 @@ class PickerApp:
         app.router.add_get("/readyz", self._readyz_handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        worker = self.worker
         if worker is None:
             site: web.BaseSite = web.TCPSite(runner, config.server.host, config.server.metrics_port)
         else:  # the supervisor serves the port and asks each worker here

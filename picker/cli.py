@@ -66,7 +66,7 @@ def _load(path: str | None):  # type: ignore[no-untyped-def]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kv_picker.app import serve
-    from kv_picker.workers import supervise, worker_spec
+    from kv_picker.workers import parse_ports, supervise, worker_spec
 
     config, _ = _load(args.config)
     if args.workers < 1:
@@ -75,15 +75,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     main: Coroutine[Any, Any, None]
     if args.worker is not None:  # one of a supervisor's workers
         try:
-            spec = worker_spec(args.worker, args.worker_dir, args.grpc_port, args.admin_port)
+            spec = worker_spec(args.worker, args.worker_dir, args.grpc_port, args.admin_port,
+                               own_port=args.worker_port)  # fmt: skip
         except ValueError as exc:
             print(f"kv-picker serve: bad --worker arguments: {exc}", file=sys.stderr)
             return EXIT_USAGE
         main = serve(args.config, config, spec)
     elif args.workers > 1:
-        main = supervise(
-            args.config, config, args.workers, ["--event-loop", args.event_loop], args.log_level
-        )
+        try:
+            ports = parse_ports(args.worker_ports, args.workers) if args.worker_ports else []
+        except ValueError as exc:
+            print(f"kv-picker serve: --worker-ports: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        main = supervise(args.config, config, args.workers, ["--event-loop", args.event_loop],
+                         args.log_level, ports)  # fmt: skip
+    elif args.worker_ports:
+        print("kv-picker serve: --worker-ports needs --workers 2 or more", file=sys.stderr)
+        return EXIT_USAGE
     else:
         main = serve(args.config, config)
     if args.event_loop == "uvloop":
@@ -248,11 +256,18 @@ def build_parser(extensions: dict[str, EntryPoint] | None = None) -> argparse.Ar
         "in-flight counts shared, under a supervisor that serves the metrics port (default 1: "
         "one process)",
     )
+    serve.add_argument(
+        "--worker-ports",
+        metavar="P1,...,PN",
+        help="with --workers N: worker i also listens on Pi alone, for a gateway that balances "
+        "streams over the workers itself (list those ports as its endpoints)",
+    )
     # Set by the supervisor for each worker it starts (kv_picker.workers).
     serve.add_argument("--worker", help=argparse.SUPPRESS)
     serve.add_argument("--worker-dir", help=argparse.SUPPRESS)
     serve.add_argument("--grpc-port", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--admin-port", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-port", type=int, default=0, help=argparse.SUPPRESS)
 
     explain = sub.add_parser("explain", help="show every scorer's score for one request")
     explain.add_argument("--config", help="EndpointPickerConfig YAML (offline explain)")

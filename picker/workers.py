@@ -21,6 +21,10 @@ merges the workers' expositions into one (counters and histograms summed; gauges
 summed; gauges of the shared view, such as endpoint signals and index sizes, the largest of the
 workers'), ``/readyz`` is ready when every worker is, ``/healthz`` reports the workers too.
 
+With ``--worker-ports P1,...,PN`` worker i also listens on Pi alone, so that a gateway that
+lists those ports as endpoints balances streams over the workers itself (Envoy's least-request
+balancing, per stream) instead of relying on the kernel's spread of its few connections.
+
 A worker that exits unexpectedly is started again (after 1 s, doubling to 30 s while it keeps
 failing); its peers drop its counts when it falls silent. SIGTERM or SIGINT is passed to every
 worker, each drains as a single picker does, and the supervisor exits when they have. Workers
@@ -90,6 +94,8 @@ class WorkerSpec:
         admin_port: the admin port every worker binds (0: admin off).
         salt: the request log's salt when the config sets none (one for all workers, so
             their logs share block ids).
+        own_port: a port of this worker's alone, beside the shared one (0: none), for a
+            gateway that balances streams over the workers itself (``--worker-ports``).
     """
 
     index: int
@@ -98,6 +104,7 @@ class WorkerSpec:
     grpc_port: int
     admin_port: int
     salt: str | None = None
+    own_port: int = 0
 
     def http_socket(self) -> Path:
         return http_socket(self.directory, self.index)
@@ -237,9 +244,13 @@ class Supervisor:
         workers: int,
         worker_args: Sequence[str] = (),
         log_level: str = "info",
+        worker_ports: Sequence[int] = (),
     ) -> None:
         if workers < 2:
             raise ValueError("a supervisor needs at least 2 workers")
+        if worker_ports and len(worker_ports) != workers:
+            raise ValueError(f"{len(worker_ports)} worker ports for {workers} workers")
+        self.worker_ports = list(worker_ports)
         self.config = config
         self.config_path = config_path
         self.worker_args = list(worker_args)
@@ -318,6 +329,8 @@ class Supervisor:
                 *self.worker_args, "--worker", f"{worker.index}/{len(self.workers)}",
                 "--worker-dir", str(self.directory), "--grpc-port", str(self.grpc_port),
                 "--admin-port", str(self.admin_port)]  # fmt: skip
+        if self.worker_ports:
+            argv += ["--worker-port", str(self.worker_ports[worker.index])]
         if self.config_path is not None:
             argv += ["--config", self.config_path]
         return argv
@@ -420,17 +433,32 @@ async def supervise(
     workers: int,
     worker_args: Sequence[str] = (),
     log_level: str = "info",
+    worker_ports: Sequence[int] = (),
 ) -> None:
     """Run ``workers`` worker processes until SIGINT/SIGTERM (see the module docstring)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(config, config_path, workers, worker_args, log_level)
+    supervisor = Supervisor(config, config_path, workers, worker_args, log_level, worker_ports)
     await supervisor.start()
     await stop.wait()
     log.info("shutting down %d workers", workers)
     await supervisor.stop()
+
+
+def parse_ports(text: str, workers: int) -> list[int]:
+    """``--worker-ports P1,...,PN``: one port per worker, distinct.
+
+    Raises:
+        ValueError: not N distinct ports in 1..65535.
+    """
+    ports = [int(part) for part in text.split(",") if part.strip()]
+    if len(ports) != workers:
+        raise ValueError(f"{len(ports)} ports for {workers} workers")
+    if len(set(ports)) != len(ports) or not all(0 < port < 65536 for port in ports):
+        raise ValueError("the ports must be distinct and in 1..65535")
+    return ports
 
 
 def worker_spec(
@@ -439,6 +467,7 @@ def worker_spec(
     grpc_port: int,
     admin_port: int,
     env: Mapping[str, str] | None = None,
+    own_port: int = 0,
 ) -> WorkerSpec:
     """The spec of a worker from its hidden ``serve`` arguments (and the supervisor's salt in
     the environment).
@@ -451,4 +480,4 @@ def worker_spec(
         raise ValueError("--worker needs --worker-dir")
     environment = os.environ if env is None else env
     return WorkerSpec(index, count, Path(directory), grpc_port, admin_port,
-                      environment.get(SALT_ENV))  # fmt: skip
+                      environment.get(SALT_ENV), own_port)  # fmt: skip

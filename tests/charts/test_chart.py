@@ -26,7 +26,6 @@ jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-val
 from kv_picker.config import PickerConfig, load_config  # noqa: E402
 from kv_picker.plugins import builtin_registry  # noqa: E402
 from kv_picker_bench.localstack import (  # noqa: E402
-    PICKER_STREAMS_PER_CONNECTION,
     envoy_binary,
     envoy_bootstrap,
     picker_tls,
@@ -579,6 +578,9 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
     container = spec["containers"][0]
     args = container["args"]
     assert args[args.index("--workers") + 1] == "3"
+    assert args[args.index("--worker-ports") + 1] == "9100,9101,9102"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert [ports[f"worker-{i}"] for i in range(3)] == [9100, 9101, 9102]
     # A gRPC probe would reach one worker; /readyz is every worker's.
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -588,10 +590,12 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
     assert {"name": "run", "mountPath": "/tmp"} in container["volumeMounts"]
     chart = envoy_config(manifests)
     ext_proc = next(c for c in chart["static_resources"]["clusters"] if c["name"] == "ext_proc")
-    options = ext_proc["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-    ]["explicit_http_config"]["http2_protocol_options"]
-    assert options == {"max_concurrent_streams": PICKER_STREAMS_PER_CONNECTION}
+    # Envoy balances streams over every worker of every pod, by least requests.
+    assert ext_proc["lb_policy"] == "LEAST_REQUEST"
+    sockets = [e["endpoint"]["address"]["socket_address"]
+               for e in ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]]  # fmt: skip
+    assert [s["port_value"] for s in sockets] == [9100, 9101, 9102]
+    assert {s["address"] for s in sockets} == {f"gw-kv-picker-pods.{NAMESPACE}.svc.cluster.local"}
     assert _envoy_validate(chart, tmp_path).returncode == 0
     # One worker: the command and the probes of a single process.
     single = find(render({}), "Deployment", "gw-kv-picker")["spec"]["template"]["spec"]
@@ -605,6 +609,7 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
     [
         {"workers": 0},
         {"workers": "2"},
+        {"workers": 2, "workerPortBase": 70000},
         {"replicaCount": "two"},
         {"grpc": {"port": 70000}},
         {"tls": {"enabled": True}},

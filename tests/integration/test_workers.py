@@ -117,9 +117,8 @@ def test_both_workers_serve_and_learn_each_others_picks(stack: LocalStack) -> No
     statuses = burst(stack, 64, "learn")
     assert statuses == [200] * 64
     served = [worker_samples(stack, i).get(ROUTED, 0) for i in range(2)]
-    # Envoy opens several connections to the picker (4 streams each at most), which the
-    # kernel spreads over the two workers.
-    assert all(count > 0 for count in served), served
+    # Envoy balances the streams over the workers' own ports by least requests.
+    assert all(count >= 16 for count in served), served
     assert sum(served) == 64
     merged = merged_samples(stack)
     assert merged[ROUTED] == 64

@@ -11,7 +11,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_picker.config import load_config
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
-from kv_picker.workers import SALT_ENV, WorkerSpec, merge_expositions, parse_worker, worker_spec
+from kv_picker.workers import (
+    SALT_ENV,
+    WorkerSpec,
+    merge_expositions,
+    parse_ports,
+    parse_worker,
+    worker_spec,
+)
 
 
 def exposition(requests: int, running: int, endpoint_waiting: float, latency_s: float) -> str:
@@ -89,3 +96,10 @@ def test_a_worker_spec_needs_its_directory_and_reads_the_salt(tmp_path: Path) ->
     assert spec.http_socket() == tmp_path / "worker-1.http"
     with pytest.raises(ValueError, match="worker-dir"):
         worker_spec("1/2", None, 9102, 0, env={})
+
+
+def test_worker_ports_are_one_per_worker_and_distinct() -> None:
+    assert parse_ports("9100, 9101", 2) == [9100, 9101]
+    for bad in ("9100", "9100,9100", "0,1", "9100,x"):
+        with pytest.raises(ValueError):
+            parse_ports(bad, 2)

@@ -77,3 +77,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
+
+{{- /* serve --worker-ports: workerPortBase, workerPortBase + 1, ... (one per worker). */}}
+{{- define "kv-picker.workerPorts" -}}
+{{- $ports := list -}}
+{{- range $i := until (int .Values.workers) -}}
+{{- $ports = append $ports (add $.Values.workerPortBase $i | toString) -}}
+{{- end -}}
+{{- join "," $ports -}}
+{{- end -}}
