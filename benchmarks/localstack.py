@@ -290,6 +290,10 @@ def envoy_bootstrap(
         clusters = bootstrap["static_resources"]["clusters"]
         clusters[1].update(picker_failure_detection())
         clusters.append(fallback_cluster([socket_address_of(a) for a in pool_endpoints]))
+    elif picker_worker_ports:
+        # A worker that died or is draining must leave the balancing at once, or least-request
+        # balancing would favour its idle port.
+        bootstrap["static_resources"]["clusters"][1].update(picker_failure_detection())
     return bootstrap
 
 

@@ -595,6 +595,11 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
     sockets = [e["endpoint"]["address"]["socket_address"]
                for e in ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]]  # fmt: skip
     assert [s["port_value"] for s in sockets] == [9100, 9101, 9102]
+    # A dead worker leaves the balancing at once (the local stack's failure detection).
+    stack = envoy_bootstrap(8080, 19000, 9002, picker_worker_ports=[9100, 9101, 9102])
+    stack_ext_proc = stack["static_resources"]["clusters"][1]
+    for key in ("health_checks", "outlier_detection", "common_lb_config", "lb_policy"):
+        assert ext_proc[key] == stack_ext_proc[key], key
     assert {s["address"] for s in sockets} == {f"gw-kv-picker-pods.{NAMESPACE}.svc.cluster.local"}
     assert _envoy_validate(chart, tmp_path).returncode == 0
     # One worker: the command and the probes of a single process.

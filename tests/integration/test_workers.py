@@ -190,8 +190,17 @@ def test_a_config_change_reaches_every_worker(stack: LocalStack) -> None:
 
 
 def test_a_killed_worker_is_started_again(stack: LocalStack) -> None:
+    """Killed under load: only the streams it held fail (Envoy ejects its port at once, the
+    other worker takes the rest), and the supervisor starts it again."""
     old = workers_of(stack)
-    os.kill(old[0], signal.SIGKILL)
+    with ThreadPoolExecutor(1) as background:
+        load = background.submit(burst, stack, 400, "kill")
+        time.sleep(0.5)
+        os.kill(old[0], signal.SIGKILL)
+        statuses = load.result()
+    failed = [s for s in statuses if s != 200]
+    assert set(failed) <= {500}
+    assert len(failed) <= 32 + 4, len(failed)  # at most the 32 in flight, and a few more
     wait_for(lambda: workers_of(stack).get(0, old[0]) != old[0], 10.0, "new worker 0")
     url = f"http://127.0.0.1:{stack.picker_metrics_port}/readyz"
     wait_for(lambda: http_get(url)[0] == 200, 20.0, "ready again")
