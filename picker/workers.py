@@ -30,8 +30,9 @@ failing); its peers drop its counts when it falls silent. SIGTERM or SIGINT is p
 worker, each drains as a single picker does, and the supervisor exits when they have. Workers
 die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no process behind.
 
-Costs of N workers: N times the KV-event subscriptions, N copies of the indexes, and each pick,
-release, first byte and scrape applied by every other worker too.
+Costs of N workers: N times the KV-event subscriptions (and, with the Redis index backend, the
+same writes from every worker) and the Kubernetes watches, N copies of the indexes, and each
+pick, release, first byte and scrape applied by every other worker too.
 """
 
 from __future__ import annotations
