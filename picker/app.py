@@ -250,6 +250,13 @@ class PickerApp:
             director.peers = self.peers
             self.scraper.share = self.peers.scraped
             self.peers.on_scrape = self._peer_scraped
+            store = self.store
+            self.peers.export_state = lambda: director.scheduler.export_states(
+                {e.id: e.address for e in store.all()}
+            )
+            self.peers.load_state = lambda states: director.scheduler.import_states(
+                states, {address: e.id for address, e in store.by_address.items()}
+            )
             self._tasks.append(asyncio.create_task(self.peers.run(), name="peers"))
 
         if self.discovery is not None:
@@ -292,6 +299,10 @@ class PickerApp:
                 await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("ready: %d of %d endpoints ready", len(self.store.ready_endpoints()),
                  len(self.store))  # fmt: skip
+        if self.peers is not None:
+            # A worker started again: a copy of what the others learned, now that it knows its
+            # endpoints (not before reporting ready: a gateway's health checks would eject it).
+            await self.peers.fetch_state()
 
     async def drain(self, delay_s: float) -> None:
         """Report NOT_SERVING on the health service, and keep serving for ``delay_s``.

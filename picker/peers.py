@@ -18,7 +18,14 @@ frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, .
              prefill pairs]}]                                            (every 0.5 s)
   scraped   [5, address, waiting, running, KV usage, block size, GPU blocks, LoRA | None]
   failed    [6, address, reason]                                  (a scrape of the endpoint)
+  ask state [7]                          (a worker started again, once it knows its endpoints)
+
+state (two frames): [i, incarnation, "state", asker, asker's incarnation], {plugin: {address:
+  [key, ...] oldest first}}        (sent by the live worker of lowest index to the one that asked)
 ```
+
+A worker started again (after a crash) would otherwise hold nothing of what earlier picks taught
+the plugins (the approximate index): it asks, and one peer answers with a copy.
 
 Scrapes are shared too: each worker scrapes every endpoint N times less often and sends what it
 read, so the endpoints see one picker's scrape rate and a worker that dies only slows the
@@ -59,7 +66,8 @@ from kv_picker.state.endpoints import EndpointStore
 
 log = logging.getLogger(__name__)
 
-PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT, SCRAPED, SCRAPE_FAILED = range(7)
+PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT, SCRAPED, SCRAPE_FAILED, STATE_REQUEST = range(8)
+STATE = "state"  # the header of a two-frame message: another worker's learned state
 # Per address: in flight, in-flight (prompt) tokens, prefill tokens, prefill requests, pairs.
 _FIELDS = 5
 _MAX_BATCH = 1000  # messages applied per loop callback before yielding to the loop
@@ -72,6 +80,7 @@ def socket_path(directory: str | Path, index: int) -> Path:
 
 @dataclass
 class _Peer:
+    worker: int
     incarnation: int
     last_seen_s: float
     totals: dict[str, list[float]] = field(default_factory=dict)
@@ -129,6 +138,11 @@ class PeerSync:
         self._outbox: list[list[Any]] = []
         # Where another worker's scrape results go: (address, signals or None, failure reason).
         self.on_scrape: Callable[[str, EndpointSignals | None, str], None] | None = None
+        # The plugins' learned state, for a worker started again (see the module docstring):
+        # export() -> {plugin: {address: keys}}; load(that) -> keys learned.
+        self.export_state: Callable[[], dict[str, dict[str, list[int]]]] | None = None
+        self.load_state: Callable[[dict[str, dict[str, list[int]]]], int] | None = None
+        self.state_learned: int | None = None  # keys learned from a peer's copy, once one came
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -239,16 +253,76 @@ class PeerSync:
 
     # -- the other workers' changes ---------------------------------------------------------
 
+    async def fetch_state(self, attempts: int = 3, wait_s: float = 1.0) -> int | None:
+        """Ask the other workers for a copy of their learned state, up to ``attempts`` times;
+        returns the keys learned (None: no copy came, e.g. every worker started empty)."""
+        for _ in range(attempts):
+            if self.state_learned is not None:
+                break
+            self._send([STATE_REQUEST])
+            deadline = self._clock() + wait_s
+            while self.state_learned is None and self._clock() < deadline:
+                await asyncio.sleep(0.02)
+        return self.state_learned
+
+    def _answer_state(self, asker: int, incarnation: int) -> None:
+        """Send a copy of the learned state to a worker that asked, when this worker is the
+        live one of lowest index (so that one answers)."""
+        if self.export_state is None or self._pub is None:
+            return
+        now = self._clock()
+        alive = [w for w, peer in self.peers.items()
+                 if w != asker and now - peer.last_seen_s <= self.timeout_s]  # fmt: skip
+        if min([self.index, *alive]) != self.index:
+            return
+        states = self.export_state()  # empty ones too: the asker then stops waiting
+        header = self._packer.pack([self.index, self.incarnation, STATE, asker, incarnation])
+        try:
+            self._pub.send_multipart([header, msgpack.packb(states)], zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+        else:
+            log.info("sent worker %d a copy of the learned state (%d keys)", asker,
+                     sum(len(keys) for state in states.values() for keys in state.values()))  # fmt: skip
+
+    def apply_state(self, header: bytes, payload: bytes) -> None:
+        """A copy of another worker's learned state: loaded when it was meant for this one."""
+        try:
+            _, _, kind, asker, incarnation = msgpack.unpackb(header)
+            if kind != STATE:
+                raise ValueError(f"a two-frame message must be a state, not {kind!r}")
+            if asker != self.index or incarnation != self.incarnation:
+                return  # another worker's copy
+            if self.state_learned is not None or self.load_state is None:
+                return
+            states = msgpack.unpackb(payload, strict_map_key=False)
+            if not isinstance(states, dict):
+                raise ValueError("a state is {plugin: {address: [key, ...]}}")
+            checked = {
+                _name(name): {_address(a): _ints(keys) for a, keys in state.items()}
+                for name, state in states.items()
+            }
+        except Exception as exc:
+            self._malformed(exc)
+            return
+        self.state_learned = self.load_state(checked)
+        log.info("learned %d keys from another worker's copy", self.state_learned)
+
     def _drain(self) -> None:
         sub = self._sub
         if sub is None:
             return
         for _ in range(_MAX_BATCH):
             try:
-                data = sub.recv(zmq.NOBLOCK)
+                frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.apply(data)
+            if len(frames) == 1:
+                self.apply(frames[0])
+            elif len(frames) == 2:
+                self.apply_state(frames[0], frames[1])
+            else:
+                self._malformed(ValueError(f"{len(frames)} frames"))
         if self._loop is not None:  # more waiting: let other callbacks run first
             self._loop.call_soon(self._drain)
 
@@ -302,6 +376,8 @@ class PeerSync:
         elif kind == SCRAPE_FAILED and len(message) == 3:
             if self.on_scrape is not None:
                 self.on_scrape(_address(message[1]), None, str(message[2]))
+        elif kind == STATE_REQUEST and len(message) == 1:
+            self._answer_state(peer.worker, peer.incarnation)
         elif kind == SNAPSHOT and len(message) == 2 and isinstance(message[1], dict):
             peer.totals = {_address(a): _numbers(v, _FIELDS) for a, v in message[1].items()}
             self.reconcile()
@@ -319,7 +395,7 @@ class PeerSync:
         if peer is None or peer.incarnation != incarnation:
             if peer is not None:
                 log.info("worker %d restarted: its earlier counts are dropped", worker)
-            peer = self.peers[worker] = _Peer(incarnation, now)
+            peer = self.peers[worker] = _Peer(worker, incarnation, now)
             self.reconcile()
         peer.last_seen_s = now
         return peer

@@ -26,7 +26,8 @@ lists those ports as endpoints balances streams over the workers itself (Envoy's
 balancing, per stream) instead of relying on the kernel's spread of its few connections.
 
 A worker that exits unexpectedly is started again (after 1 s, doubling to 30 s while it keeps
-failing); its peers drop its counts when it falls silent. SIGTERM or SIGINT is passed to every
+failing); its peers drop its counts when it falls silent, and once ready it gets a copy of what
+they learned (:mod:`kv_picker.peers`). SIGTERM or SIGINT is passed to every
 worker, each drains as a single picker does, and the supervisor exits when they have. Workers
 die with the supervisor (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no process behind.
 

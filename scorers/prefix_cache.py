@@ -136,6 +136,22 @@ class PrefixCacheScorer:
         for endpoint_id in endpoint_ids:
             self.index.record(endpoint_id, keys)
 
+    def export_state(self, addresses: Mapping[int, str]) -> dict[str, list[int]]:
+        return {
+            address: keys
+            for endpoint_id, address in addresses.items()
+            if (keys := self.index.held(endpoint_id))
+        }
+
+    def import_state(self, state: Mapping[str, Sequence[int]], ids: Mapping[str, int]) -> int:
+        learned = 0
+        for address, keys in state.items():
+            endpoint_id = ids.get(address)
+            if endpoint_id is not None and keys:
+                self.index.record(endpoint_id, keys)
+                learned += len(keys)
+        return learned
+
     def collect_metrics(self) -> Iterable[PluginGauge]:
         index = self.index
         yield PluginGauge(

@@ -27,7 +27,7 @@ depends on the contracts only.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -190,6 +190,25 @@ class SharesPicks(Protocol):
 
     def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
         """Record what another worker's pick sent to these endpoints, as ``on_pick`` would."""
+        ...
+
+
+@runtime_checkable
+class SharesState(Protocol):
+    """A plugin whose learned state a worker started again copies from another worker.
+
+    A worker that restarts would otherwise begin with nothing of what the picks before it
+    taught (``SharesPicks`` only carries picks made while it runs).
+    """
+
+    def export_state(self, addresses: Mapping[int, str]) -> dict[str, list[int]]:
+        """What this plugin learned, by endpoint address (``addresses``: endpoint id ->
+        address), each list oldest first."""
+        ...
+
+    def import_state(self, state: Mapping[str, Sequence[int]], ids: Mapping[str, int]) -> int:
+        """Learn another worker's exported state (``ids``: address -> endpoint id, endpoints
+        this worker does not know skipped); returns the keys learned."""
         ...
 
 

@@ -16,7 +16,7 @@ Everything here is synchronous: there is no ``await`` between a parsed request a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from kv_picker.scheduling.framework import (
     ResponseHeaders,
     SchedulingResult,
     SharesPicks,
+    SharesState,
 )
 from kv_picker.scheduling.registry import Registry
 
@@ -200,6 +201,7 @@ class Scheduler:
             (name, p) for name, p in plugins.items() if isinstance(p, SharesPicks)
         ]
         self._sharing_by_name = dict(self._sharing)
+        self._stateful = {n: p for n, p in plugins.items() if isinstance(p, SharesState)}
         self.plugins = plugins
         self.shared_keys = ctx.used_shared
 
@@ -211,6 +213,22 @@ class Scheduler:
             if keys:
                 shared.append((name, keys))
         return shared
+
+    def export_states(self, addresses: Mapping[int, str]) -> dict[str, dict[str, list[int]]]:
+        """Every ``SharesState`` plugin's state, by plugin name (for a worker started again)."""
+        return {name: plugin.export_state(addresses) for name, plugin in self._stateful.items()}
+
+    def import_states(
+        self, states: Mapping[str, Mapping[str, Sequence[int]]], ids: Mapping[str, int]
+    ) -> int:
+        """Learn another worker's :meth:`export_states` (plugins this build lacks skipped);
+        returns the keys learned."""
+        learned = 0
+        for name, state in states.items():
+            plugin = self._stateful.get(name)
+            if plugin is not None:
+                learned += plugin.import_state(state, ids)
+        return learned
 
     def record_peer_picks(
         self, records: Sequence[tuple[str, Sequence[int]]], endpoint_ids: Sequence[int]

@@ -88,6 +88,11 @@ class ApproximatePrefixIndex:
             old_key, _ = lru.popitem(last=False)
             self._drop_holder(old_key, bit)
 
+    def held(self, endpoint_id: int) -> list[int]:
+        """The keys recorded for an endpoint, least recently used first."""
+        lru = self._lru.get(endpoint_id)
+        return list(lru) if lru else []
+
     def remove_endpoint(self, endpoint_id: int) -> None:
         """Forget everything recorded for an endpoint (it left the pool or restarted)."""
         lru = self._lru.pop(endpoint_id, None)

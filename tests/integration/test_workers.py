@@ -205,6 +205,11 @@ def test_a_killed_worker_is_started_again(stack: LocalStack) -> None:
     url = f"http://127.0.0.1:{stack.picker_metrics_port}/readyz"
     wait_for(lambda: http_get(url)[0] == 200, 20.0, "ready again")
     assert workers_of(stack)[1] == old[1]
+    # The new worker starts with a copy of what the other learned, not an empty index.
+    key = "kv_picker_prefix_index_keys{plugin=prefix-cache-scorer}"
+    learned = worker_samples(stack, 1)[key]
+    assert learned > 0
+    wait_for(lambda: worker_samples(stack, 0).get(key) == learned, 5.0, "a copy of the index")
     assert burst(stack, 32, "after-restart") == [200] * 32
     assert merged_samples(stack)["kv_picker_worker_restarts_total{}"] == 1
 

@@ -11,8 +11,9 @@ import msgpack
 import pytest
 
 from kv_picker.endpoint import EndpointSpec
-from kv_picker.peers import PICK, SCRAPED, SNAPSHOT, PeerSync
+from kv_picker.peers import PICK, SCRAPED, SNAPSHOT, STATE, PeerSync
 from kv_picker.sources.scraper import EndpointSignals
+from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore, LoraState
 
 ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -195,6 +196,54 @@ def test_another_workers_scrapes_reach_the_scrape_sink(tmp_path: Path) -> None:
     assert seen == [(ADDRESSES[0], signals, ""), (ADDRESSES[1], None, "connection refused")]
     b.sync.apply(frame(0, 1, [SCRAPED, ADDRESSES[0], "many", 1.0, 0.5, 16, 4096, None]))
     assert b.sync.malformed == 1 and len(seen) == 2
+
+
+async def test_a_worker_started_again_gets_a_copy_of_the_learned_state(tmp_path: Path) -> None:
+    a = Worker(tmp_path, 0, 2, ADDRESSES)
+    b = Worker(tmp_path, 1, 2, list(reversed(ADDRESSES)))  # other ids for the same addresses
+    index_a, index_b = ApproximatePrefixIndex(100), ApproximatePrefixIndex(100)
+    index_a.record(a.endpoint(ADDRESSES[0]).id, [1, 2, 3])
+    index_a.record(a.endpoint(ADDRESSES[2]).id, [7, 8])
+    index_a.record(a.endpoint(ADDRESSES[0]).id, [1])  # now the most recent there
+
+    def export() -> dict[str, dict[str, list[int]]]:
+        held = {address: index_a.held(e.id) for address, e in a.store.by_address.items()}
+        return {"prefix": {address: keys for address, keys in held.items() if keys}}
+
+    def load(states: dict[str, dict[str, list[int]]]) -> int:
+        for address, keys in states["prefix"].items():
+            index_b.record(b.endpoint(address).id, keys)
+        return sum(len(keys) for keys in states["prefix"].values())
+
+    a.sync.export_state = export
+    b.sync.load_state = load
+    tasks = await connected(a, b)
+    try:
+        assert await b.sync.fetch_state(attempts=5, wait_s=0.5) == 5
+        assert index_b.held(b.endpoint(ADDRESSES[0]).id) == [2, 3, 1]  # recency kept
+        assert index_b.held(b.endpoint(ADDRESSES[2]).id) == [7, 8]
+        assert index_b.held(b.endpoint(ADDRESSES[1]).id) == []
+        # A copy comes once: asking again changes nothing.
+        index_a.record(a.endpoint(ADDRESSES[1]).id, [9])
+        assert await b.sync.fetch_state(attempts=1, wait_s=0.2) == 5
+        assert index_b.held(b.endpoint(ADDRESSES[1]).id) == []
+    finally:
+        await stop(tasks, a, b)
+
+
+def test_a_state_copy_for_another_worker_or_malformed_is_not_loaded(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    loaded: list[object] = []
+    b.sync.load_state = lambda states: loaded.append(states) or 0  # type: ignore[func-returns-value]
+    payload = msgpack.packb({"prefix": {ADDRESSES[0]: [1, 2]}})
+    for_other = msgpack.packb([0, 7, STATE, 2, b.sync.incarnation])
+    b.sync.apply_state(for_other, payload)
+    mine = msgpack.packb([0, 7, STATE, 1, b.sync.incarnation])
+    b.sync.apply_state(mine, msgpack.packb({"prefix": {ADDRESSES[0]: [1, "x"]}}))
+    b.sync.apply_state(mine, b"\xc1")
+    assert loaded == [] and b.sync.malformed == 2
+    b.sync.apply_state(mine, payload)
+    assert loaded == [{"prefix": {ADDRESSES[0]: [1, 2]}}]
 
 
 def test_a_worker_index_must_be_in_range(tmp_path: Path) -> None:

@@ -113,3 +113,23 @@ def test_removed_endpoint_leaves_the_prefix_index() -> None:
     assert len(scorer.index) == 10
     store.set_endpoints([])
     assert len(scorer.index) == 0
+
+
+def test_a_prefix_scorers_state_and_peer_picks_carry_over_by_address() -> None:
+    """What serve --workers sends between workers: a pick's keys, and a whole copy."""
+    store = make_store(3)
+    source = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
+    request = make_request("a" * 100)
+    scores(source, store, request)
+    keys = source.pick_keys(request)
+    assert keys is not None and len(keys) == 10
+    source.record_peer_pick([store.all()[2].id], keys)
+    addresses = {e.id: e.address for e in store.all()}
+    state = source.export_state(addresses)
+    assert state == {store.all()[2].address: list(keys)}
+
+    other = make_store(3)  # the same addresses
+    copy = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(other))
+    ids = {address: e.id for address, e in other.by_address.items()}
+    assert copy.import_state({**state, "10.9.9.9:1": [1, 2]}, ids) == 10  # unknown: skipped
+    assert scores(copy, other, make_request("a" * 100)) == [0.0, 0.0, 1.0]
