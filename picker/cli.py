@@ -88,9 +88,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"kv-picker serve: --worker-ports: {exc}", file=sys.stderr)
             return EXIT_USAGE
         main = supervise(args.config, config, args.workers, ["--event-loop", args.event_loop],
-                         args.log_level, ports)  # fmt: skip
-    elif args.worker_ports:
-        print("kv-picker serve: --worker-ports needs --workers 2 or more", file=sys.stderr)
+                         args.log_level, ports, int(args.recycle_rss * 2**20),
+                         args.recycle_min_uptime)  # fmt: skip
+    elif args.worker_ports or args.recycle_rss:
+        print("kv-picker serve: --worker-ports and --recycle-rss need --workers 2 or more",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     else:
         main = serve(args.config, config)
@@ -261,6 +263,21 @@ def build_parser(extensions: dict[str, EntryPoint] | None = None) -> argparse.Ar
         metavar="P1,...,PN",
         help="with --workers N: worker i also listens on Pi alone, for a gateway that balances "
         "streams over the workers itself (list those ports as its endpoints)",
+    )
+    serve.add_argument(
+        "--recycle-rss",
+        type=float,
+        default=0.0,
+        metavar="MB",
+        help="with --workers N: stop and start again, one at a time, a worker whose resident "
+        "memory passes MB (it drains first; its replacement copies what the others learned)",
+    )
+    serve.add_argument(
+        "--recycle-min-uptime",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --recycle-rss: no worker is recycled before it has run S seconds (60)",
     )
     # Set by the supervisor for each worker it starts (kv_picker.workers).
     serve.add_argument("--worker", help=argparse.SUPPRESS)

@@ -25,6 +25,10 @@ With ``--worker-ports P1,...,PN`` worker i also listens on Pi alone, so that a g
 lists those ports as endpoints balances streams over the workers itself (Envoy's least-request
 balancing, per stream) instead of relying on the kernel's spread of its few connections.
 
+With ``--recycle-rss MB`` a worker whose resident memory passes MB is stopped (it drains) and
+started again, one worker at a time: a bound on what a slow leak in a library (grpcio's, see
+the README's soak) can cost a long-running pod.
+
 A worker that exits unexpectedly is started again (after 1 s, doubling to 30 s while it keeps
 failing); its peers drop its counts when it falls silent, and once ready it gets a copy of what
 they learned (:mod:`kv_picker.peers`). SIGTERM or SIGINT is passed to every
@@ -81,6 +85,10 @@ SUMMED_GAUGES = frozenset(
     }
 )
 _RESTART_BACKOFF_S = (1.0, 30.0)
+# A stopping worker (recycled, or the pod going away) reports NOT_SERVING this long before it
+# refuses streams: a gateway health-checking each worker's port every second (the generated
+# Envoy configs do) stops sending it streams first, so none is refused.
+MIN_WORKER_DRAIN_S = 1.5
 _HEALTHY_AFTER_S = 60.0  # a worker up this long starts its backoff again from the shortest
 
 
@@ -113,12 +121,14 @@ class WorkerSpec:
 
     def apply(self, config: PickerConfig) -> PickerConfig:
         """The config as this worker runs it: the supervisor's ports, a request-log file of
-        its own (``<path>.worker-<index>``) with the shared salt, and its own seed."""
+        its own (``<path>.worker-<index>``) with the shared salt, its own seed, and a drain
+        delay of at least ``MIN_WORKER_DRAIN_S``."""
         server = config.server
         server = dataclasses.replace(
             server,
             grpc_port=self.grpc_port,
             admin=dataclasses.replace(server.admin, port=self.admin_port),
+            shutdown_delay_s=max(server.shutdown_delay_s, MIN_WORKER_DRAIN_S),
         )
         request_log = config.request_log
         if request_log is not None:
@@ -225,6 +235,8 @@ class _Worker:
         self.process: asyncio.subprocess.Process | None = None
         self.started_s = 0.0
         self.restarts = 0
+        self.recycles = 0
+        self.recycling = False  # told to stop for its memory: start it again at once
         self.backoff_s = _RESTART_BACKOFF_S[0]
 
 
@@ -247,9 +259,15 @@ class Supervisor:
         worker_args: Sequence[str] = (),
         log_level: str = "info",
         worker_ports: Sequence[int] = (),
+        recycle_rss_bytes: int = 0,
+        recycle_min_uptime_s: float = 60.0,
+        memory_check_s: float = 1.0,
     ) -> None:
         if workers < 2:
             raise ValueError("a supervisor needs at least 2 workers")
+        self.recycle_rss_bytes = recycle_rss_bytes
+        self.recycle_min_uptime_s = recycle_min_uptime_s
+        self.memory_check_s = memory_check_s
         if worker_ports and len(worker_ports) != workers:
             raise ValueError(f"{len(worker_ports)} worker ports for {workers} workers")
         self.worker_ports = list(worker_ports)
@@ -287,6 +305,8 @@ class Supervisor:
             self._tasks.append(
                 asyncio.create_task(self._keep(worker), name=f"worker-{worker.index}")
             )
+        if self.recycle_rss_bytes > 0:
+            self._tasks.append(asyncio.create_task(self._watch_memory(), name="worker-memory"))
         log.info(
             "kv-picker supervisor: %d workers on ext_proc port %d, admin port %s, metrics on :%d",
             len(self.workers),
@@ -350,6 +370,10 @@ class Supervisor:
             code = await worker.process.wait()
             if self.stopping:
                 return
+            if worker.recycling:  # it drained as asked: its replacement starts now
+                worker.recycling = False
+                worker.recycles += 1
+                continue
             up_s = time.monotonic() - worker.started_s
             if up_s >= _HEALTHY_AFTER_S:
                 worker.backoff_s = _RESTART_BACKOFF_S[0]
@@ -358,6 +382,43 @@ class Supervisor:
             await asyncio.sleep(worker.backoff_s)
             worker.backoff_s = min(worker.backoff_s * 2, _RESTART_BACKOFF_S[1])
             worker.restarts += 1
+
+    async def _watch_memory(self) -> None:
+        """Recycle a worker whose resident memory passed ``recycle_rss_bytes``: SIGTERM (it
+        drains as a stopping picker does), then a new one, which gets a copy of what the others
+        learned. One at a time, only while every worker has been ready for two checks in a row
+        (a replacement must be serving, and the gateway must have seen it healthy, before
+        another worker stops), and none younger than ``recycle_min_uptime_s``."""
+        ready_before = False
+        while True:
+            await asyncio.sleep(self.memory_check_s)
+            if self.stopping or any(w.recycling for w in self.workers):
+                ready_before = False
+                continue
+            answers = await self._ask_all("/readyz")
+            ready_now = all(a is not None and a[0] == 200 for a in answers)
+            steady, ready_before = ready_before and ready_now, ready_now
+            if not steady:
+                continue
+            now = time.monotonic()
+            over = []  # (resident bytes, worker) of those past the limit and old enough
+            for worker in self.workers:
+                process = worker.process
+                if process is None or process.returncode is not None:
+                    continue
+                rss = resident_bytes(process.pid)
+                if rss > self.recycle_rss_bytes and (
+                    now - worker.started_s >= self.recycle_min_uptime_s
+                ):
+                    over.append((rss, worker))
+            if over:
+                rss, worker = max(over, key=lambda item: item[0])  # the largest first
+                log.warning("worker %d holds %.0f MB (limit %.0f MB): recycling it",
+                            worker.index, rss / 2**20, self.recycle_rss_bytes / 2**20)  # fmt: skip
+                worker.recycling = True
+                if worker.process is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
 
     # -- HTTP -------------------------------------------------------------------------------
 
@@ -395,6 +456,19 @@ class Supervisor:
             "exited.",
             "# TYPE kv_picker_worker_restarts_total counter",
             f"kv_picker_worker_restarts_total {restarts}",
+            "# HELP kv_picker_worker_recycles_total Workers stopped and started again because "
+            "their resident memory passed --recycle-rss.",
+            "# TYPE kv_picker_worker_recycles_total counter",
+            f"kv_picker_worker_recycles_total {sum(w.recycles for w in self.workers)}",
+            "# HELP kv_picker_worker_resident_memory_bytes Each worker's resident memory.",
+            "# TYPE kv_picker_worker_resident_memory_bytes gauge",
+        ]
+        for worker in self.workers:
+            process = worker.process
+            if process is not None and process.returncode is None:
+                lines.append(f'kv_picker_worker_resident_memory_bytes{{worker="{worker.index}"}} '
+                             f"{resident_bytes(process.pid)}")  # fmt: skip
+        lines += [
             "# HELP kv_picker_worker_requests_total Requests each worker routed since it started "
             "(how evenly the gateway's connections spread over the workers).",
             "# TYPE kv_picker_worker_requests_total counter",
@@ -436,17 +510,31 @@ async def supervise(
     worker_args: Sequence[str] = (),
     log_level: str = "info",
     worker_ports: Sequence[int] = (),
+    recycle_rss_bytes: int = 0,
+    recycle_min_uptime_s: float = 60.0,
 ) -> None:
     """Run ``workers`` worker processes until SIGINT/SIGTERM (see the module docstring)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(config, config_path, workers, worker_args, log_level, worker_ports)
+    supervisor = Supervisor(config, config_path, workers, worker_args, log_level, worker_ports,
+                            recycle_rss_bytes, recycle_min_uptime_s)  # fmt: skip
     await supervisor.start()
     await stop.wait()
     log.info("shutting down %d workers", workers)
     await supervisor.stop()
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident set size (Linux /proc; 0 when unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def parse_ports(text: str, workers: int) -> list[int]:

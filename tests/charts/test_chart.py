@@ -573,12 +573,13 @@ def test_tls_mounts_the_secret_and_switches_probes(tmp_path: Path) -> None:
 
 
 def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None:
-    manifests = render({"workers": 3, "envoy": {"enabled": True}})
+    manifests = render({"workers": 3, "recycleRssMB": 1500, "envoy": {"enabled": True}})
     spec = find(manifests, "Deployment", "gw-kv-picker")["spec"]["template"]["spec"]
     container = spec["containers"][0]
     args = container["args"]
     assert args[args.index("--workers") + 1] == "3"
     assert args[args.index("--worker-ports") + 1] == "9100,9101,9102"
+    assert args[args.index("--recycle-rss") + 1] == "1500"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert [ports[f"worker-{i}"] for i in range(3)] == [9100, 9101, 9102]
     # A gRPC probe would reach one worker; /readyz is every worker's.
@@ -615,6 +616,7 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
         {"workers": 0},
         {"workers": "2"},
         {"workers": 2, "workerPortBase": 70000},
+        {"workers": 2, "recycleRssMB": -1},
         {"replicaCount": "two"},
         {"grpc": {"port": 70000}},
         {"tls": {"enabled": True}},

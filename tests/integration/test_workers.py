@@ -214,6 +214,20 @@ def test_a_killed_worker_is_started_again(stack: LocalStack) -> None:
     assert merged_samples(stack)["kv_picker_worker_restarts_total{}"] == 1
 
 
+def test_recycled_workers_lose_no_request() -> None:
+    """Workers recycled for their memory (a limit they all pass), one at a time, under load:
+    each drains behind Envoy's health checks, so not one request fails."""
+    args = ["--workers", "2", "--recycle-rss", "1", "--recycle-min-uptime", "2"]
+    with LocalStack(sims=4, picker_config=PREFIX_ONLY, picker_args=args, time_scale=0.05) as local:
+        statuses: list[int] = []
+        deadline = time.monotonic() + 9.0
+        while time.monotonic() < deadline:
+            statuses += burst(local, 32, "recycle")
+        recycles = merged_samples(local)["kv_picker_worker_recycles_total{}"]
+        assert recycles >= 2, recycles
+        assert statuses == [200] * len(statuses), sorted(set(statuses))
+
+
 @pytest.fixture
 def own_stack() -> Iterator[LocalStack]:
     with LocalStack(sims=2, picker_args=["--workers", "2"], start_envoy=False) as local:

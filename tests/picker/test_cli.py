@@ -63,7 +63,8 @@ def test_serve_rejects_a_bad_config_naming_file_and_plugin(tmp_path: Path) -> No
         (["--worker", "0/2"], "--worker-dir"),
         (["--workers", "2", "--worker-ports", "9100"], "1 ports for 2 workers"),
         (["--workers", "2", "--worker-ports", "9100,9100"], "distinct"),
-        (["--worker-ports", "9100,9101"], "needs --workers"),
+        (["--worker-ports", "9100,9101"], "need --workers"),
+        (["--recycle-rss", "500"], "need --workers"),
     ],
 )
 def test_serve_refuses_bad_worker_arguments(args: list[str], message: str) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,7 +14,9 @@ from kv_picker.config import load_config
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
 from kv_picker.workers import (
+    MIN_WORKER_DRAIN_S,
     SALT_ENV,
+    Supervisor,
     WorkerSpec,
     merge_expositions,
     parse_ports,
@@ -77,6 +81,7 @@ def test_each_worker_runs_the_config_with_the_supervisors_ports(tmp_path: Path) 
     assert applied.request_log.path == str(tmp_path / "requests.jsonl") + ".worker-1"
     assert applied.request_log.salt == "shared"
     assert applied.seed == 8
+    assert applied.server.shutdown_delay_s == MIN_WORKER_DRAIN_S  # the config's 0 raised
     assert spec.apply(applied.__class__()).request_log is None
 
 
@@ -103,3 +108,42 @@ def test_worker_ports_are_one_per_worker_and_distinct() -> None:
     for bad in ("9100", "9100,9100", "0,1", "9100,x"):
         with pytest.raises(ValueError):
             parse_ports(bad, 2)
+
+
+async def test_a_worker_past_the_memory_limit_is_recycled(tmp_path: Path) -> None:
+    """Real worker processes; a limit every worker passes at once, a short minimum uptime."""
+    path = tmp_path / "picker.yaml"
+    path.write_text(
+        "server: {host: 127.0.0.1, grpcPort: 0, metricsPort: 0, admin: {port: 0}}\n"
+        "endpoints: [{address: '127.0.0.1:9'}]\n"
+    )
+    config = load_config(path, builtin_registry(include_entry_points=False))
+    supervisor = Supervisor(config, str(path), 2, recycle_rss_bytes=1,
+                            recycle_min_uptime_s=1.0, memory_check_s=0.2)  # fmt: skip
+    await supervisor.start()
+    try:
+        for _ in range(100):
+            if all(w.process is not None for w in supervisor.workers):
+                break
+            await asyncio.sleep(0.05)
+        first = {w.index: w.process.pid for w in supervisor.workers if w.process}
+        assert len(first) == 2
+        for _ in range(200):
+            if sum(w.recycles for w in supervisor.workers) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        recycled = [w for w in supervisor.workers if w.recycles]
+        assert recycled, "no worker was recycled"
+        for worker in recycled:
+            assert worker.process is not None and worker.process.pid != first[worker.index]
+            assert worker.restarts == 0  # not counted as a crash
+        # One at a time: never both stopping together.
+        assert sum(w.recycling for w in supervisor.workers) <= 1
+        url = f"http://127.0.0.1:{supervisor.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            text = await response.text()
+        assert "kv_picker_worker_recycles_total" in text
+        assert 'kv_picker_worker_resident_memory_bytes{worker="0"}' in text
+    finally:
+        await supervisor.stop()
+    assert all(w.process is None or w.process.returncode is not None for w in supervisor.workers)
