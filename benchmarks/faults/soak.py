@@ -126,6 +126,24 @@ def rejudge(path: Path) -> dict[str, object]:
     return document
 
 
+def picker_pids(pid: int) -> list[int]:
+    """The picker's processes: ``pid``, and with ``serve --workers`` its workers (not the
+    metrics scrape processes each runs)."""
+    pids = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return pids
+    for child in map(int, children):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--worker" in argv:
+            pids.append(child)
+    return pids
+
+
 def run(
     duration_s: float,
     out_dir: Path,
@@ -135,13 +153,16 @@ def run(
     reload_every_s: float = 60.0,
     sample_every_s: float = 5.0,
     lru_blocks: int = 4096,
+    picker_args: Sequence[str] = (),
 ) -> dict[str, object]:
     configs = [picker_config(lru_blocks=lru_blocks), picker_config(lru_blocks=lru_blocks)]
     configs[1]["schedulingProfiles"][0]["plugins"][0]["weight"] = 2  # a real change to apply
     samples: list[Sample] = []
     events: list[tuple[float, str]] = []
     counter = ShotCounter()
-    with stack(sims=4, config=configs[0], workdir_prefix="kv-picker-soak-") as local:
+    with stack(
+        sims=4, config=configs[0], workdir_prefix="kv-picker-soak-", picker_args=picker_args
+    ) as local:
         picker = local.picker
         assert picker is not None
         pid, port = picker.process.pid, local.picker_metrics_port
@@ -165,8 +186,8 @@ def run(
                     samples.append(
                         Sample(
                             round(now, 1),
-                            round(probes.rss_bytes(pid) / MB, 2),
-                            probes.open_fds(pid),
+                            round(sum(map(probes.rss_bytes, picker_pids(pid))) / MB, 2),
+                            sum(map(probes.open_fds, picker_pids(pid))),
                             reading.value("kv_picker_asyncio_tasks"),
                             reading.total("kv_picker_prefix_index_keys"),
                             counter.sent,
@@ -196,7 +217,9 @@ def run(
                 time.sleep(0.2)
         finally:
             traffic.stop(120.0)
-        applied = probes.read_picker(port).value("kv_picker_config_reloads_total{result=applied}")
+        final = probes.read_picker(port)
+        applied = final.value("kv_picker_config_reloads_total{result=applied}")
+        recycles = final.value("kv_picker_worker_recycles_total")
     figures: dict[str, object] = {
         "duration_s": duration_s,
         "requests": counter.sent,
@@ -205,6 +228,7 @@ def run(
         "endpoint_restarts": restarts,
         "reloads_written": reloads,
         "reloads_applied": int(applied),
+        "worker_recycles": int(recycles),
     }
     series_figures, verdicts = judge(samples, duration_s)
     figures.update(series_figures)
@@ -218,6 +242,7 @@ def run(
             "sample_every_s": sample_every_s,
             "lru_blocks_per_endpoint": lru_blocks,
             "endpoints": 4,
+            "picker_args": list(picker_args),
         },
         "figures": figures,
         "checks": verdicts,
@@ -288,7 +313,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--reload-every-s", type=float, default=60.0, help="reload period (60)")
     parser.add_argument("--sample-every-s", type=float, default=5.0, help="sample period (5)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="kv-picker serve --workers N (1); RSS and fds "
+        "are then the supervisor's and the workers' together",
+    )
+    parser.add_argument(
+        "--recycle-rss",
+        type=float,
+        default=0.0,
+        metavar="MB",
+        help="kv-picker serve --recycle-rss MB (with --workers 2 or more)",
+    )
     args = parser.parse_args(argv)
+    picker_args = ["--workers", str(args.workers)]
+    if args.recycle_rss:
+        picker_args += ["--recycle-rss", str(args.recycle_rss)]
     if args.judge is not None:
         document = rejudge(args.judge)
     elif args.duration_s is None:
@@ -304,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.restart_every_s,
             args.reload_every_s,
             args.sample_every_s,
+            picker_args=picker_args,
         )
     print(json.dumps(document["figures"], indent=2))
     for check, ok in document["checks"].items():  # type: ignore[attr-defined]

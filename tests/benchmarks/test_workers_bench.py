@@ -66,5 +66,6 @@ def test_a_tiny_run_routes_through_one_and_two_workers(tmp_path: Path) -> None:
         out_dir=tmp_path,
     )
     assert [(r.workers, r.errors, r.requests) for r in results] == [(1, 0, 12), (2, 0, 12)]
-    assert all(r.picker_cpu_ms_per_request > 0 for r in results)
+    # CPU time comes in clock ticks (10 ms): a dozen requests may not reach one.
+    assert all(0 <= r.picker_cpu_ms_per_request < 1000 for r in results)
     assert "| 2 workers, 1 core | 2 |" in (tmp_path / "workers.md").read_text()
