@@ -4,6 +4,7 @@ picker, a worker that dies is started again, and the supervisor takes its worker
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ from tests.integration.conftest import post
 
 SERVED_BY = "x-kv-picker-sim-endpoint"
 ROUTED = "kv_picker_requests_total{model=sim-model,outcome=routed}"
+CUT = -1  # a response whose body was cut off
 
 
 def children(pid: int) -> list[int]:
@@ -94,7 +96,12 @@ def burst(stack: LocalStack, count: int, tag: str) -> list[int]:
     def one(i: int) -> int:
         prompt = f"{tag} request {i}: " + "words of a long prompt " * 200
         body = {"model": "sim-model", "prompt": prompt, "max_tokens": 40}
-        return post(stack.url + "/v1/completions", body).status
+        try:
+            return post(stack.url + "/v1/completions", body).status
+        except (http.client.IncompleteRead, ConnectionError):
+            # A response whose body the picker streamed (the GIE contract) is cut when that
+            # picker dies: Envoy resets the stream after the status was sent.
+            return CUT
 
     with ThreadPoolExecutor(32) as pool:
         return list(pool.map(one, range(count)))
@@ -199,7 +206,7 @@ def test_a_killed_worker_is_started_again(stack: LocalStack) -> None:
         os.kill(old[0], signal.SIGKILL)
         statuses = load.result()
     failed = [s for s in statuses if s != 200]
-    assert set(failed) <= {500}
+    assert set(failed) <= {500, CUT}
     assert len(failed) <= 32 + 4, len(failed)  # at most the 32 in flight, and a few more
     wait_for(lambda: workers_of(stack).get(0, old[0]) != old[0], 10.0, "new worker 0")
     url = f"http://127.0.0.1:{stack.picker_metrics_port}/readyz"
