@@ -43,7 +43,9 @@ from kv_picker.sources.kv_event_subscriber import (
     PublisherAddress,
     SubscriberSettings,
 )
-from kv_picker.state.block_events import BlockStored, EventKeys
+from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
+from kv_picker.state.block_ledger import LedgerRules
+from kv_picker.state.compact_ledger import LedgerLayout
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
@@ -51,6 +53,7 @@ from kv_picker_bench.sim.events import encode_batch, encode_removed, encode_stor
 from kv_picker_bench.valkey import ValkeyServer
 
 BLOCK = 16
+LAYOUTS: tuple[LedgerLayout, ...] = ("compact", "dict")
 
 
 def _percentile(values: Sequence[float], fraction: float) -> float:
@@ -92,9 +95,39 @@ def event_messages(
     return messages
 
 
-def ingest_direct(messages: list[tuple[int, bytes]], blocks: int) -> dict[str, float]:
+class KeysOnlyIndex:
+    """The ingestion path without an index: events are decoded, sequenced and turned into keys
+    exactly as for a real one, then dropped (any parent hash resolves). What it sustains bounds
+    what any index, however fast, could reach behind this Python decode and hashing."""
+
+    class _Ledger(LedgerRules):
+        def resolve(self, endpoint_id: int, tier: int, group: int, engine_hash: int) -> int:
+            return 1
+
+    def __init__(self) -> None:
+        self.event_keys = EventKeys()
+        self.ledger = self._Ledger(1, 1, None, lambda *_: None)
+
+    def apply_stored(self, endpoint_id: int, event: BlockStored, model: str) -> int:
+        stored = self.event_keys.stored_keys(self.ledger, endpoint_id, event, model)  # type: ignore[arg-type]
+        return 0 if stored is None else len(stored[3])
+
+    def apply_removed(self, endpoint_id: int, event: BlockRemoved) -> int:
+        return len(event.block_hashes)
+
+    def clear_endpoint(self, endpoint_id: int) -> int:
+        return 0
+
+    def remove_endpoint(self, endpoint_id: int) -> None:
+        pass
+
+
+def ingest_direct(
+    messages: list[tuple[int, bytes]], blocks: int, layout: LedgerLayout | None
+) -> dict[str, float]:
+    """Messages through the subscriber into an index of ``layout`` (None: :class:`KeysOnlyIndex`)."""
     store = _store(1)
-    index = KVBlockIndex(EventKeys())
+    index: Any = KeysOnlyIndex() if layout is None else KVBlockIndex(EventKeys(), layout=layout)
     subscriber = KVEventSubscriber(SubscriberSettings(), store, index, PickerMetrics())
     source = subscriber._source_from_topic(f"kv@{store.all()[0].address}@m".encode())
     assert source is not None
@@ -107,10 +140,12 @@ def ingest_direct(messages: list[tuple[int, bytes]], blocks: int) -> dict[str, f
     return {"blocks": blocks, "seconds": elapsed, "block_events_per_s": blocks / elapsed}
 
 
-async def ingest_zmq(messages: list[tuple[int, bytes]], blocks: int) -> dict[str, float]:
+async def ingest_zmq(
+    messages: list[tuple[int, bytes]], blocks: int, layout: LedgerLayout
+) -> dict[str, float]:
     store = _store(1)
     address = store.all()[0].address
-    index = KVBlockIndex(EventKeys())
+    index = KVBlockIndex(EventKeys(), layout=layout)
     context = zmq.asyncio.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -224,12 +259,14 @@ async def lookup_redis(url: str, endpoints: int, chain: int, repeats: int) -> di
 # -- 3. memory ----------------------------------------------------------------------------------
 
 
-def memory_per_block(endpoints: int, blocks_per_endpoint: int, shared: bool) -> float:
+def memory_per_block(
+    endpoints: int, blocks_per_endpoint: int, shared: bool, layout: LedgerLayout
+) -> float:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     # Strict keys: the engine hash is the key, so only the index's own structures are counted.
-    index = KVBlockIndex(EventKeys(key_mode="strict"), max_blocks=10**8)
+    index = KVBlockIndex(EventKeys(key_mode="strict"), max_blocks=10**8, layout=layout)
     rng = random.Random(1)
     common = [rng.getrandbits(64) for _ in range(blocks_per_endpoint)]
     for e in range(endpoints):
@@ -282,18 +319,26 @@ def run(quick: bool, with_redis: bool = True) -> dict[str, Any]:
     repeats = 20 if quick else 200
     blocks = 20_000 if quick else 400_000
     messages = event_messages(blocks, blocks_per_event=16)
+    per_endpoint = 2_000 if quick else 50_000
     result: dict[str, Any] = {
-        "ingestion": {
-            "direct": ingest_direct(messages, blocks),
-            "zmq": asyncio.run(ingest_zmq(messages, blocks)),
-        },
+        "ingestion": {},
         "lookup_memory": {},
         "lookup_redis": {},
-        "bytes_per_block": {
-            "memory_shared_chains": memory_per_block(16, 2_000 if quick else 50_000, True),
-            "memory_distinct_blocks": memory_per_block(16, 2_000 if quick else 50_000, False),
-        },
+        "bytes_per_block": {},
     }
+    result["ingestion"]["direct, decode and keys only (no index)"] = ingest_direct(
+        messages, blocks, None
+    )
+    for layout in LAYOUTS:
+        result["ingestion"][f"direct, {layout} ledger"] = ingest_direct(messages, blocks, layout)
+        result["ingestion"][f"zmq, {layout} ledger"] = asyncio.run(
+            ingest_zmq(messages, blocks, layout)
+        )
+    for layout in LAYOUTS:
+        for shared, name in ((True, "shared_chains"), (False, "distinct_blocks")):
+            result["bytes_per_block"][f"memory_{name}_{layout}_ledger"] = memory_per_block(
+                16, per_endpoint, shared, layout
+            )
     for chain in chains:
         for endpoints in endpoint_counts:
             result["lookup_memory"][f"{chain}x{endpoints}"] = lookup_memory(

@@ -75,6 +75,7 @@ def build_kv_index(
             timeout_s=settings.timeout_s,
             retry_s=settings.retry_interval_s,
             metrics=metrics,
+            layout=settings.ledger,
         )
     else:
         index = KVBlockIndex(
@@ -82,6 +83,7 @@ def build_kv_index(
             default_capacity_blocks=settings.capacity_blocks_per_endpoint,
             max_blocks=settings.max_blocks,
             capacity_source=store.num_gpu_blocks,
+            layout=settings.ledger,
         )
     store.on_removed(index.remove_endpoint)
     return index

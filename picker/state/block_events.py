@@ -49,7 +49,7 @@ from kv_picker.state.block_keys import VllmBlockHasher
 from kv_picker.state.hashing import chain_root, token_keys
 
 if TYPE_CHECKING:
-    from kv_picker.state.block_ledger import BlockLedger
+    from kv_picker.state.block_ledger import Ledger
 
 KEY_MODES = ("dual", "strict")
 
@@ -257,7 +257,7 @@ class EventKeys:
             self._on_drop(reason, blocks)
 
     def stored_keys(
-        self, ledger: BlockLedger, endpoint_id: int, event: BlockStored, model: str
+        self, ledger: Ledger, endpoint_id: int, event: BlockStored, model: str
     ) -> StoredBlocks | None:
         """Where and under which keys a stored event's blocks are indexed.
 
@@ -310,7 +310,7 @@ class EventKeys:
             hashes = sub_block_hashes(hashes[: len(keys) // multiple], multiple)
         return tier, group, hashes, keys
 
-    def apply_removed(self, ledger: BlockLedger, endpoint_id: int, event: BlockRemoved) -> int:
+    def apply_removed(self, ledger: Ledger, endpoint_id: int, event: BlockRemoved) -> int:
         """Apply a ``BlockRemoved`` of its (medium, group) to a backend's ledger (which tells
         the backend what is no longer held); returns the engine blocks it hit."""
         tier = self.tiers.id_of(event.medium)
@@ -323,7 +323,7 @@ class EventKeys:
         return ledger.remove(endpoint_id, tier, group, hashes) // multiple
 
     def engine_block_hashes(
-        self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, hashes: Sequence[int]
+        self, ledger: Ledger, endpoint_id: int, tier: int, group: int, hashes: Sequence[int]
     ) -> tuple[Sequence[int], int]:
         """The ledger's hashes for engine blocks named in an event of (endpoint, tier, group),
         and our blocks per engine block (see :func:`sub_block_hashes`)."""
@@ -331,7 +331,7 @@ class EventKeys:
         return (hashes if multiple == 1 else sub_block_hashes(hashes, multiple)), multiple
 
     def _resolved(
-        self, ledger: BlockLedger, endpoint_id: int, tier: int, group: int, event: BlockStored
+        self, ledger: Ledger, endpoint_id: int, tier: int, group: int, event: BlockStored
     ) -> StoredBlocks | None:
         """A tier event without tokens: blocks the endpoint already indexed, by engine hash."""
         hashes: list[int] = []
@@ -349,7 +349,7 @@ class EventKeys:
 
     def _keys_from_tokens(
         self,
-        ledger: BlockLedger,
+        ledger: Ledger,
         endpoint_id: int,
         tier: int,
         group: int,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from kv_picker.state.block_events import GPU_TIER, MAX_TIERS
 
@@ -47,8 +48,43 @@ _COUNT_MAX = 0xFFFF
 _STAMP_SHIFT = 80
 
 
-class BlockLedger:
-    """Engine hash → key per (endpoint, tier, group), LRU-bounded per (endpoint, tier) and in total.
+class Ledger(Protocol):
+    """What the backends and the event rules use of a ledger, whichever layout keeps it
+    (:class:`BlockLedger` here, :class:`~kv_picker.state.compact_ledger.CompactLedger`)."""
+
+    size: int
+    evicted_blocks: int
+
+    def capacity(self, endpoint_id: int, tier: int = GPU_TIER) -> int: ...
+    def endpoint_ids(self) -> list[int]: ...
+    def count(self, endpoint_id: int, tier: int | None = None) -> int: ...
+    def learn_group(self, endpoint_id: int, group: int, full_attention: bool) -> None: ...
+    def group_is_full(self, endpoint_id: int, group: int) -> bool: ...
+    def learn_multiple(self, endpoint_id: int, tier: int, group: int, multiple: int) -> None: ...
+    def multiple(self, endpoint_id: int, tier: int, group: int) -> int: ...
+    def resolve(self, endpoint_id: int, tier: int, group: int, engine_hash: int) -> int | None: ...
+    def get(
+        self, endpoint_id: int, engine_hash: int, tier: int = GPU_TIER, group: int = 0
+    ) -> int | None: ...
+    def store(
+        self,
+        endpoint_id: int,
+        tier: int,
+        group: int,
+        engine_hashes: Sequence[int],
+        keys: Sequence[int],
+    ) -> None: ...
+    def remove(
+        self, endpoint_id: int, tier: int, group: int, engine_hashes: Sequence[int]
+    ) -> int: ...
+    def clear(self, endpoint_id: int, forget: bool = False) -> list[tuple[int, list[int]]]: ...
+    def held(self, endpoint_id: int) -> Iterator[tuple[int, int]]: ...
+    def keys(self, endpoint_id: int, tier: int = GPU_TIER) -> Iterator[int]: ...
+    def trim(self, endpoint_id: int, tier: int = GPU_TIER) -> None: ...
+
+
+class LedgerRules:
+    """What every ledger layout shares: bounds, group kinds, block-size multiples, counters.
 
     Args:
         default_capacity_blocks: per-(endpoint, tier) bound when the capacity is unknown (and
@@ -57,15 +93,12 @@ class BlockLedger:
         capacity_source: per endpoint id, its GPU KV capacity in blocks (0 = unknown); read,
             never written (the endpoint store's ``num_gpu_blocks``, filled by the scraper).
         on_unheld: called with (endpoint id, tier, key) when no entry of (endpoint, tier) maps
-            to ``key`` any more (removed, evicted, remapped; not on :meth:`clear`).
+            to ``key`` any more (removed, evicted, remapped; not on ``clear``).
     """
 
     __slots__ = (
-        "_groups",
         "_heap",
-        "_in_heap",
         "_kinds",
-        "_maps",
         "_multiples",
         "_on_unheld",
         "_stamp",
@@ -89,37 +122,13 @@ class BlockLedger:
         self.max_blocks = max_blocks
         self.capacity_source = capacity_source
         self._on_unheld = on_unheld
-        self._maps: list[OrderedDict[int, int] | None] = []
-        self._groups: list[list[int]] = []
         self._heap: list[tuple[int, int]] = []
-        self._in_heap: list[bool] = []
         self._kinds: dict[int, dict[int, bool]] = {}
         # (endpoint, tier, group) -> our blocks per engine block, where that is not 1.
         self._multiples: dict[tuple[int, int, int], int] = {}
         self._stamp = 0
         self.size = 0
         self.evicted_blocks = 0
-
-    # -- lanes ------------------------------------------------------------------------------
-
-    def _lane(self, lane: int) -> OrderedDict[int, int] | None:
-        maps = self._maps
-        return maps[lane] if lane < len(maps) else None
-
-    def _map(self, lane: int, group: int) -> OrderedDict[int, int]:
-        maps = self._maps
-        if lane >= len(maps):
-            grow = lane + 1 - len(maps)
-            maps.extend([None] * grow)
-            self._in_heap.extend([False] * grow)
-            self._groups.extend([] for _ in range(grow))
-        entries = maps[lane]
-        if entries is None:
-            entries = maps[lane] = OrderedDict()
-        groups = self._groups[lane]
-        if group not in groups:
-            groups.append(group)
-        return entries
 
     def capacity(self, endpoint_id: int, tier: int = GPU_TIER) -> int:
         """The (endpoint, tier)'s bound in blocks."""
@@ -133,15 +142,11 @@ class BlockLedger:
             return source[endpoint_id]
         return self.default_capacity_blocks
 
-    def endpoint_ids(self) -> list[int]:
-        """Ids of endpoints holding at least one block."""
-        return sorted({lane // MAX_TIERS for lane, entries in enumerate(self._maps) if entries})
-
-    def count(self, endpoint_id: int, tier: int | None = None) -> int:
-        """Entries held for an endpoint (in one tier, or all)."""
-        base = endpoint_id * MAX_TIERS
-        tiers = range(MAX_TIERS) if tier is None else (tier,)
-        return sum(len(entries) for t in tiers if (entries := self._lane(base + t)))
+    def forget_rules(self, endpoint_id: int) -> None:
+        """Forget an endpoint's group kinds and block-size multiples (it left the pool)."""
+        self._kinds.pop(endpoint_id, None)
+        for known in [k for k in self._multiples if k[0] == endpoint_id]:
+            del self._multiples[known]
 
     # -- group kinds ------------------------------------------------------------------------
 
@@ -183,6 +188,56 @@ class BlockLedger:
             if found is not None:
                 return found
         return 1
+
+
+class BlockLedger(LedgerRules):
+    """Engine hash → key per (endpoint, tier, group), LRU-bounded per (endpoint, tier) and in total,
+    in ordered dicts (see the module docstring; the arguments are :class:`LedgerRules`')."""
+
+    __slots__ = ("_groups", "_in_heap", "_maps")
+
+    def __init__(
+        self,
+        default_capacity_blocks: int,
+        max_blocks: int,
+        capacity_source: Sequence[int] | None,
+        on_unheld: Callable[[int, int, int], None],
+    ) -> None:
+        super().__init__(default_capacity_blocks, max_blocks, capacity_source, on_unheld)
+        self._maps: list[OrderedDict[int, int] | None] = []
+        self._groups: list[list[int]] = []
+        self._in_heap: list[bool] = []
+
+    # -- lanes ------------------------------------------------------------------------------
+
+    def _lane(self, lane: int) -> OrderedDict[int, int] | None:
+        maps = self._maps
+        return maps[lane] if lane < len(maps) else None
+
+    def _map(self, lane: int, group: int) -> OrderedDict[int, int]:
+        maps = self._maps
+        if lane >= len(maps):
+            grow = lane + 1 - len(maps)
+            maps.extend([None] * grow)
+            self._in_heap.extend([False] * grow)
+            self._groups.extend([] for _ in range(grow))
+        entries = maps[lane]
+        if entries is None:
+            entries = maps[lane] = OrderedDict()
+        groups = self._groups[lane]
+        if group not in groups:
+            groups.append(group)
+        return entries
+
+    def endpoint_ids(self) -> list[int]:
+        """Ids of endpoints holding at least one block."""
+        return sorted({lane // MAX_TIERS for lane, entries in enumerate(self._maps) if entries})
+
+    def count(self, endpoint_id: int, tier: int | None = None) -> int:
+        """Entries held for an endpoint (in one tier, or all)."""
+        base = endpoint_id * MAX_TIERS
+        tiers = range(MAX_TIERS) if tier is None else (tier,)
+        return sum(len(entries) for t in tiers if (entries := self._lane(base + t)))
 
     # -- entries ----------------------------------------------------------------------------
 
@@ -310,9 +365,7 @@ class BlockLedger:
             (tier, keys held) of every tier that held something.
         """
         if forget:
-            self._kinds.pop(endpoint_id, None)
-            for known in [k for k in self._multiples if k[0] == endpoint_id]:
-                del self._multiples[known]
+            self.forget_rules(endpoint_id)
         base = endpoint_id * MAX_TIERS
         dropped: list[tuple[int, list[int]]] = []
         for lane in range(base, min(base + MAX_TIERS, len(self._maps))):

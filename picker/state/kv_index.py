@@ -37,7 +37,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
-from kv_picker.state.block_ledger import BlockLedger
+from kv_picker.state.block_ledger import Ledger
+from kv_picker.state.compact_ledger import LEDGERS, LedgerLayout
 from kv_picker.state.prefix_runs import leading_runs, tiered_runs
 
 Prefetched = Mapping[str, tuple[int, float]]
@@ -146,6 +147,8 @@ class KVBlockIndex:
         default_capacity_blocks: per-(endpoint, tier) bound when the KV capacity is not scraped.
         max_blocks: bound on (endpoint, tier, group, block) entries in total.
         capacity_source: per endpoint id, its ``num_gpu_blocks`` (0 = unknown).
+        layout: the ledger's: ``compact`` (numpy logs, :mod:`kv_picker.state.compact_ledger`)
+            or ``dict`` (ordered dicts, :mod:`kv_picker.state.block_ledger`).
     """
 
     def __init__(
@@ -154,12 +157,13 @@ class KVBlockIndex:
         default_capacity_blocks: int = 1_000_000,
         max_blocks: int = 10_000_000,
         capacity_source: Sequence[int] | None = None,
+        layout: LedgerLayout = "compact",
     ) -> None:
         self.event_keys = event_keys
         self.tier_weights = event_keys.tiers.weights
         self._holders: list[dict[int, int]] = [{} for _ in self.tier_weights]
         self._scratch: list[float] = []
-        self.ledger = BlockLedger(
+        self.ledger: Ledger = LEDGERS[layout](
             default_capacity_blocks, max_blocks, capacity_source, self._drop_holder
         )
 

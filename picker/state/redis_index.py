@@ -32,7 +32,7 @@ blocks of a prefix are almost always held by the same endpoints in the same tier
 bitmaps are the same bytes: the script compares each block's bitmap with the previous one and
 only does per-slot work when they differ, which makes a lookup one ``GET`` per block (a
 set-per-block layout costs a membership probe per block and holder, about 50x more at 256
-endpoints). Writes are batched: events apply to a local :class:`BlockLedger` at once (it
+endpoints). Writes are batched: events apply to a local ledger (:mod:`kv_picker.state.block_ledger`) at once (it
 resolves engine hashes to keys, keeps entries per (endpoint, tier, group) and enforces the
 bounds, exactly as in-process), and the resulting bit operations are pipelined to Redis every
 few milliseconds. Replicas must agree on the tiers (``index.tierWeights``' names); the weights
@@ -62,7 +62,8 @@ from redis.exceptions import RedisError
 
 from kv_picker.metrics import PickerMetrics
 from kv_picker.state.block_events import BlockRemoved, BlockStored, EventKeys
-from kv_picker.state.block_ledger import BlockLedger
+from kv_picker.state.block_ledger import Ledger
+from kv_picker.state.compact_ledger import LEDGERS, LedgerLayout
 from kv_picker.state.kv_index import Prefetched, SpeculativeHolders
 from kv_picker.state.prefix_runs import leading_runs
 
@@ -189,6 +190,7 @@ class RedisKVIndex:
         timeout_s: budget of one lookup (and socket timeout).
         retry_s: how long to skip Redis after a failure before trying again.
         metrics: backend errors are counted here.
+        layout: the local ledger's (see :class:`~kv_picker.state.kv_index.KVBlockIndex`).
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class RedisKVIndex:
         timeout_s: float = 0.05,
         retry_s: float = 1.0,
         metrics: PickerMetrics | None = None,
+        layout: LedgerLayout = "compact",
     ) -> None:
         self.event_keys = event_keys
         self.url = url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
@@ -210,7 +213,7 @@ class RedisKVIndex:
         self._address_of = address_of
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self.ledger = BlockLedger(
+        self.ledger: Ledger = LEDGERS[layout](
             default_capacity_blocks, max_blocks, capacity_source, self._unheld
         )
         self._errors = (

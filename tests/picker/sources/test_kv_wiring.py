@@ -9,11 +9,14 @@ import pytest
 
 from kv_picker.config import parse_config
 from kv_picker.endpoint import EndpointSpec
+from kv_picker.errors import ConfigError
 from kv_picker.metrics import PickerMetrics
 from kv_picker.plugins import builtin_registry
 from kv_picker.sources.kv_event_subscriber import KVEventSubscriber
 from kv_picker.sources.kv_wiring import build_kv_index, build_subscriber
 from kv_picker.state.block_events import DROP_MEDIUM, DROP_UNKNOWN_PARENT, BlockStored
+from kv_picker.state.block_ledger import BlockLedger
+from kv_picker.state.compact_ledger import CompactLedger
 from kv_picker.state.kv_index import KVBlockIndex
 from kv_picker.state.redis_index import RedisKVIndex
 from tests.fakes import make_store
@@ -70,3 +73,21 @@ def test_a_shared_backend_is_redis_with_or_without_events(events: Any) -> None:
     # The same front half reports drops, whichever backend applies the event.
     assert index.apply_stored(0, BlockStored([1], 7, [1] * 16, 16), "m") == 0
     assert dropped(metrics, DROP_UNKNOWN_PARENT) == 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize(("ledger", "kind"), [(None, CompactLedger), ("dict", BlockLedger)])
+def test_the_ledger_layout_is_the_configs(backend: str, ledger: str | None, kind: type) -> None:
+    store, metrics = make_store(2), PickerMetrics()
+    section: dict[str, Any] = {"backend": backend, "url": "redis://127.0.0.1:1"}
+    if ledger is not None:
+        section["ledger"] = ledger
+    config = parse_config({"kvEvents": {"model": "m"}, "index": section}, REGISTRY)
+    index = build_kv_index(config, store, metrics)
+    assert isinstance(index, (KVBlockIndex, RedisKVIndex))
+    assert type(index.ledger) is kind
+
+
+def test_an_unknown_ledger_layout_is_refused() -> None:
+    with pytest.raises(ConfigError, match="ledger"):
+        parse_config({"index": {"ledger": "btree"}}, REGISTRY)

@@ -29,7 +29,7 @@ from kv_picker.state.block_events import (
 )
 from kv_picker.state.block_ledger import BlockLedger
 from kv_picker.state.hashing import chain_root, token_keys
-from kv_picker.state.kv_index import KVBlockIndex
+from kv_picker.state.kv_index import KVBlockIndex, LedgerLayout
 from tests.picker.state.kv_model import (
     NUM_ENDPOINTS,
     NUM_KEYS,
@@ -40,6 +40,7 @@ from tests.picker.state.kv_model import (
 )
 
 
+@pytest.mark.parametrize("layout", ["compact", "dict"])
 @settings(max_examples=500, deadline=None)
 @given(
     operations,
@@ -49,6 +50,7 @@ from tests.picker.state.kv_model import (
     st.integers(1, 30),
 )
 def test_matches_brute_force_model(
+    layout: LedgerLayout,
     ops: list[tuple[int, KVEvent]],
     query: list[int],
     candidates: set[int],
@@ -61,6 +63,7 @@ def test_matches_brute_force_model(
         default_capacity_blocks=default_capacity,
         max_blocks=max_blocks,
         capacity_source=scraped_capacities,
+        layout=layout,
     )
     model = Model([c or default_capacity for c in scraped_capacities], default_capacity, max_blocks)
     for endpoint, event in ops:
