@@ -119,7 +119,7 @@ def _floor_service(stack: LocalStack, event_loop: str) -> int:
     return port
 
 
-def _summarise(
+def summarise(
     path: str, connections: int, outcomes: Sequence[Outcome], wall_s: float
 ) -> PathResult:
     ok = [o.latency_s * 1000 for o in outcomes if o.ok]
@@ -224,7 +224,7 @@ def run(
                         results[path] += asyncio.run(replay(urls[name][path], batch, conns))
                         walls[path] += time.perf_counter() - started
                 summary = {
-                    path: _summarise(path, conns, results[path], walls[path]) for path in batches
+                    path: summarise(path, conns, results[path], walls[path]) for path in batches
                 }
                 rows.append(_row(name, conns, summary))
                 print(format_rows(rows[-1:]), flush=True)

@@ -46,13 +46,15 @@ from kv_picker.endpoint import EndpointSpec
 from kv_picker.peers import PeerSync
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker_bench.client import Outcome, percentile, replay
+from kv_picker_bench.client import Outcome, replay
 from kv_picker_bench.localstack import LocalStack, free_port
 from kv_picker_bench.overhead import (
     TOKENIZER,
+    PathResult,
     add_mode_argument,
     mode_bootstrap,
     precise_profile,
+    summarise,
 )
 from kv_picker_bench.workloads import long_prompt_requests
 
@@ -71,16 +73,11 @@ class Setup:
 
 
 @dataclass
-class Result:
-    setup: str
+class Result(PathResult):
+    """One setup's load figures (``path`` is the setup's name), with the picker's CPU cost."""
+
     workers: int
     cpus: list[int]
-    connections: int
-    requests: int
-    errors: int
-    p50_ms: float
-    p99_ms: float
-    requests_per_s: float
     picker_cpu_ms_per_request: float
 
 
@@ -175,20 +172,13 @@ def run(
         for conns in connections:
             for setup in setups:
                 key = (setup, conns)
-                ok = [o.latency_s * 1000 for o in outcomes[key] if o.ok]
-                total = len(outcomes[key])
+                figures = summarise(setup.name, conns, outcomes[key], walls[key])
                 results.append(
                     Result(
-                        setup=setup.name,
+                        **asdict(figures),
                         workers=setup.workers,
                         cpus=list(setup.cpus),
-                        connections=conns,
-                        requests=total,
-                        errors=total - len(ok),
-                        p50_ms=percentile(ok, 0.5),
-                        p99_ms=percentile(ok, 0.99),
-                        requests_per_s=len(ok) / walls[key],
-                        picker_cpu_ms_per_request=1000 * cpu[key] / max(1, total),
+                        picker_cpu_ms_per_request=1000 * cpu[key] / max(1, figures.requests),
                     )
                 )
     if out_dir is not None:
@@ -211,7 +201,7 @@ def format_results(results: Sequence[Result]) -> str:
     for r in results:
         ratio = r.requests_per_s / base[r.connections] if r.connections in base else None
         lines.append(
-            f"| {r.setup} | {r.connections} | {r.requests_per_s:.0f} | "
+            f"| {r.path} | {r.connections} | {r.requests_per_s:.0f} | "
             f"{'-' if ratio is None else format(ratio, '.2f')} | {r.p50_ms:.2f} | "
             f"{r.p99_ms:.2f} | {r.picker_cpu_ms_per_request:.2f} | {r.errors} |"
         )
