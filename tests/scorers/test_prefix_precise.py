@@ -436,7 +436,7 @@ def test_split_and_cached_encoding_equals_the_tokenizer(pieces: list[str]) -> No
     plain = tokenizer.tokenizer.encode(text).ids
     assert tokenizer.encode(text) == plain
     assert tokenizer.encode(text) == plain  # from the cache now
-    assert tokenizer.encode_released(text) == plain
+    assert asyncio.run(tokenizer.encode_async(text)) == plain  # on a pool thread
 
 
 def test_a_shared_system_prompt_is_tokenized_once() -> None:
@@ -483,7 +483,7 @@ def test_chunked_encoding_equals_the_tokenizer(parts: list[str], glue: str) -> N
     text = glue.join(parts)
     plain = tokenizer.tokenizer.encode(text).ids
     assert tokenizer.encode(text) == plain
-    assert tokenizer.encode_released(text) == plain  # chunks from the cache now
+    assert asyncio.run(tokenizer.encode_async(text)) == plain  # chunks from the cache now
 
 
 def test_prompts_sharing_a_long_prefix_share_its_chunks() -> None:
