@@ -134,12 +134,15 @@ class _Lane:
             slot = (slot + 1) & mask
 
     def make_room(self) -> None:
-        """Room for one append: compact in place or grow by half, then rebuild the table."""
+        """Room for one append: compact in place, grow to half as much again as is live, or
+        shrink to twice that when most of the log is dead; then rebuild the table."""
         live = np.flatnonzero(self.info[self.head : self.tail]) + self.head
         needed = len(live) + 1
         capacity = self.capacity
         if 4 * needed > 3 * capacity:
             capacity = max(_MIN_LOG, needed + needed // 2)
+        elif 8 * needed < capacity:
+            capacity = max(_MIN_LOG, 2 * needed)
         arrays = (self.hashes[live], self.keys[live], self.stamps[live], self.info[live])
         self._allocate(capacity)
         n = len(live)

@@ -161,3 +161,18 @@ def test_the_total_bound_evicts_the_oldest_across_interleaved_lanes() -> None:
     assert [list(c.held(e)) for c in (compact,) for e in range(3)] == [
         list(reference.held(e)) for e in range(3)
     ]
+
+
+def test_a_lane_that_empties_gives_its_memory_back() -> None:
+    reference, compact, _ = ledgers([0], 1_000_000, 10**9)
+    hashes = list(range(1, 20_001))
+    for ledger in (reference, compact):
+        ledger.store(0, 0, 0, hashes, hashes)
+    big = compact._lanes[0].capacity
+    for ledger in (reference, compact):
+        ledger.remove(0, 0, 0, hashes[:19_900])
+        ledger.store(0, 0, 0, hashes[:100], hashes[:100])  # appends until the log is full
+        for _ in range(200):
+            ledger.store(0, 0, 0, hashes[19_900:], hashes[19_900:])  # refreshes: appends
+    assert list(compact.keys(0)) == list(reference.keys(0))
+    assert compact._lanes[0].capacity < big // 8
