@@ -66,7 +66,7 @@ def _load(path: str | None):  # type: ignore[no-untyped-def]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kv_picker.app import serve
-    from kv_picker.workers import parse_ports, supervise, worker_spec
+    from kv_picker.workers import Supervisor, parse_ports, supervise, worker_spec
 
     config, _ = _load(args.config)
     if args.workers < 1:
@@ -87,9 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kv-picker serve: --worker-ports: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        main = supervise(args.config, config, args.workers, ["--event-loop", args.event_loop],
-                         args.log_level, ports, int(args.recycle_rss * 2**20),
-                         args.recycle_min_uptime)  # fmt: skip
+        supervisor = Supervisor(config, args.config, args.workers,
+                                ["--event-loop", args.event_loop], args.log_level, ports,
+                                int(args.recycle_rss * 2**20), args.recycle_min_uptime)  # fmt: skip
+        main = supervise(supervisor)
     elif args.worker_ports or args.recycle_rss:
         print("kv-picker serve: --worker-ports and --recycle-rss need --workers 2 or more",
               file=sys.stderr)  # fmt: skip

@@ -503,26 +503,15 @@ class Supervisor:
         return web.json_response(body, status=200 if ready else 503)
 
 
-async def supervise(
-    config_path: str | None,
-    config: PickerConfig,
-    workers: int,
-    worker_args: Sequence[str] = (),
-    log_level: str = "info",
-    worker_ports: Sequence[int] = (),
-    recycle_rss_bytes: int = 0,
-    recycle_min_uptime_s: float = 60.0,
-) -> None:
-    """Run ``workers`` worker processes until SIGINT/SIGTERM (see the module docstring)."""
+async def supervise(supervisor: Supervisor) -> None:
+    """Run the supervisor's workers until SIGINT/SIGTERM (see the module docstring)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(config, config_path, workers, worker_args, log_level, worker_ports,
-                            recycle_rss_bytes, recycle_min_uptime_s)  # fmt: skip
     await supervisor.start()
     await stop.wait()
-    log.info("shutting down %d workers", workers)
+    log.info("shutting down %d workers", len(supervisor.workers))
     await supervisor.stop()
 
 
