@@ -93,6 +93,16 @@ def _fields(event: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return dict(zip(names, event[1:], strict=False))
 
 
+MAX_GROUP_IDX = 0xFFFF  # KV-cache groups are a model's few attention kinds; the ledger's bound
+
+
+def _group(value: Any) -> int | None:
+    group: int | None = _optional(value, int, "group_idx")
+    if group is not None and not 0 <= group <= MAX_GROUP_IDX:
+        raise MalformedMessage(f"group_idx must be in 0..{MAX_GROUP_IDX}")
+    return group
+
+
 def _decode_event(event: Any) -> KVEvent | None:
     if isinstance(event, dict):
         tag = event.get("type")
@@ -122,7 +132,7 @@ def _decode_event(event: Any) -> KVEvent | None:
             medium=_optional(f.get("medium"), str, "medium"),
             lora_name=_optional(f.get("lora_name"), str, "lora_name"),
             extra_keys=extra_keys,
-            group_idx=_optional(f.get("group_idx"), int, "group_idx"),
+            group_idx=_group(f.get("group_idx")),
             kv_cache_spec_kind=_optional(f.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"),
         )
     if tag == "BlockRemoved":
@@ -130,7 +140,7 @@ def _decode_event(event: Any) -> KVEvent | None:
         return BlockRemoved(
             block_hashes=_hashes(f.get("block_hashes")),
             medium=_optional(f.get("medium"), str, "medium"),
-            group_idx=_optional(f.get("group_idx"), int, "group_idx"),
+            group_idx=_group(f.get("group_idx")),
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()

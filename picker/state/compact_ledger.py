@@ -1,5 +1,5 @@
-"""The ledger in numpy arrays: the same contract as :class:`~kv_picker.state.block_ledger.BlockLedger`
-in about a fifth of the memory per entry.
+"""The ledger in numpy arrays: :class:`~kv_picker.state.block_ledger.BlockLedger`'s contract in
+about a third of the memory per entry.
 
 :class:`BlockLedger` keeps each (endpoint, tier, group, engine hash) entry in an ordered dict: an
 int object for the hash, one for the packed value, a dict slot and a linked-list node, about
@@ -10,22 +10,25 @@ order, with an open-addressing table over it::
             keys    u64   our key
             stamps  u64   global store order (LRU across lanes)
             info    u32   count << 16 | group               0: dead
-    table   i32[2 * log capacity]   log position + 1, 0 empty; linear probing on a mix of
-                                    (engine hash, group)
+    table   i32[power of two >= 2 * log capacity]   log position + 1, 0 empty; linear probing
+                                                    on a Fibonacci hash of (engine hash, group)
 
 - A store appends (a refreshed entry is killed where it was and appended at the tail; its table
   slot moves with it), a removal kills its entry in place (its table slot stays, pointing at a
   dead entry: a tombstone the lookups step over), eviction kills from the head.
-- When the log is full it is compacted in place (at most half of it live) or doubled, and the
-  table is rebuilt from the live entries, which also drops the tombstones. Every table slot
-  points at a distinct log position, so the table is never more than half full.
-- Lookups and stores of an event's blocks are vectorized: one probe round per numpy call over
-  the blocks still looking, so an event of 16 blocks costs a few dozen numpy calls whatever its
-  size. Per entry: 28 bytes of log and 8 of table, at a log 50–100% live.
+- When the log is full it is compacted: into the same capacity, into half as much again as is
+  live when that leaves under a quarter free, or into twice what is live when most of it is
+  dead; the table is rebuilt from the live entries (vectorized), which drops the tombstones.
+  Every table slot points at a distinct log position, so the table is never more than half full
+  and every probe ends.
+- Entries are read and written one at a time through memoryviews of the arrays: at the 16 or so
+  blocks an event carries, numpy's per-call overhead costs more than the work. Per log slot: 28
+  bytes of log and 4–8 of table; the log is 67–100% live right after it grows.
 
-Counting, groups, releases and bounds behave exactly as :class:`BlockLedger`'s (the brute-force
-model tests run against both). Groups of one lane are numbered below 65,536 and counts saturate
-at 65,535.
+Counting, groups, releases and bounds behave exactly as :class:`BlockLedger`'s (checked against
+it operation by operation, and against the brute-force model). Groups are numbered below 65,536
+(the event decoder refuses others) and counts saturate at 65,535. Hashes and keys are unsigned
+64-bit; a store that meets another value raises, keeping what it stored before it.
 """
 
 from __future__ import annotations
@@ -282,59 +285,63 @@ class CompactLedger(LedgerRules):
             lane.mv_hashes, lane.mv_keys, lane.mv_stamps, lane.mv_info, lane.mv_table
         )  # fmt: skip
         mask, shift = lane.mask, lane.shift
-        for engine_hash, key in zip(engine_hashes, keys, strict=False):
-            if tail == capacity:
-                lane.tail = tail
-                lane.make_room()
-                tail, capacity = lane.tail, lane.capacity
-                hashes, stored_keys, stamps, info, table = (
-                    lane.mv_hashes, lane.mv_keys, lane.mv_stamps, lane.mv_info, lane.mv_table
-                )  # fmt: skip
-                mask, shift = lane.mask, lane.shift
-            # lane.find, inlined: this loop is the ingestion path.
-            slot = (((engine_hash ^ group_mix) * _MIX) & _U64) >> shift
-            while True:
-                held = table[slot]
-                if not held:
-                    position = -1
-                    break
-                meta = info[held - 1]
-                if meta and hashes[held - 1] == engine_hash and meta & _GROUP_BITS == group:
-                    position = held - 1
-                    break
-                slot = (slot + 1) & mask
-            count = 1
-            remapped = -1
-            if position >= 0:
-                old = info[position]
-                info[position] = 0
-                old_key = stored_keys[position]
-                if old_key == key:
-                    count = old >> _COUNT_SHIFT
-                    if counted and count < _COUNT_MAX:
-                        count += 1
+        try:
+            for engine_hash, key in zip(engine_hashes, keys, strict=False):
+                if tail == capacity:
+                    lane.tail = tail
+                    lane.make_room()
+                    tail, capacity = lane.tail, lane.capacity
+                    hashes, stored_keys, stamps, info, table = (
+                        lane.mv_hashes, lane.mv_keys, lane.mv_stamps, lane.mv_info, lane.mv_table
+                    )  # fmt: skip
+                    mask, shift = lane.mask, lane.shift
+                # Into the free tail slot first: a value out of uint64's range raises here,
+                # before anything else changed.
+                hashes[tail] = engine_hash
+                stored_keys[tail] = key
+                # lane.find, inlined: this loop is the ingestion path.
+                slot = (((engine_hash ^ group_mix) * _MIX) & _U64) >> shift
+                while True:
+                    held = table[slot]
+                    if not held:
+                        position = -1
+                        break
+                    meta = info[held - 1]
+                    if meta and hashes[held - 1] == engine_hash and meta & _GROUP_BITS == group:
+                        position = held - 1
+                        break
+                    slot = (slot + 1) & mask
+                count = 1
+                remapped = -1
+                if position >= 0:
+                    old = info[position]
+                    info[position] = 0
+                    old_key = stored_keys[position]
+                    if old_key == key:
+                        count = old >> _COUNT_SHIFT
+                        if counted and count < _COUNT_MAX:
+                            count += 1
+                    else:
+                        remapped = old_key
                 else:
-                    remapped = old_key
-            else:
-                added += 1
-            stamp += 1
-            hashes[tail] = engine_hash
-            stored_keys[tail] = key
-            stamps[tail] = stamp
-            info[tail] = count << _COUNT_SHIFT | group
-            table[slot] = tail + 1  # a refreshed entry's slot follows it
-            tail += 1
-            if remapped >= 0:
-                lane.tail = tail
-                self._release(lane_id, lane, group, engine_hash, remapped)
-        lane.tail = tail
-        self._stamp = stamp
-        if added:
-            lane.live += added
-            self.size += added
-            if lane_id not in self._in_heap:
-                self._in_heap.add(lane_id)
-                heapq.heappush(self._heap, (lane.head_stamp(), lane_id))
+                    added += 1
+                stamp += 1
+                stamps[tail] = stamp
+                info[tail] = count << _COUNT_SHIFT | group
+                table[slot] = tail + 1  # a refreshed entry's slot follows it
+                tail += 1
+                if remapped >= 0:
+                    lane.tail = tail
+                    self._release(lane_id, lane, group, engine_hash, remapped)
+        finally:  # what was stored before a bad value stays stored, and counted
+            lane.tail = tail
+            self._stamp = stamp
+            if added:
+                lane.live += added
+                self.size += added
+                if lane_id not in self._in_heap:
+                    self._in_heap.add(lane_id)
+                    heapq.heappush(self._heap, (lane.head_stamp(), lane_id))
 
     def remove(self, endpoint_id: int, tier: int, group: int, engine_hashes: Sequence[int]) -> int:
         """Apply removals of one (endpoint, tier, group); returns how many entries they hit.

@@ -120,6 +120,9 @@ def test_offloading_placeholder_events_decode() -> None:
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], 16, None, 7]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], 16, None, None, None, "x"]]]),
         msgpack.packb([1.0, [["BlockRemoved"]]]),
+        # KV-cache group numbers the ledger cannot hold.
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1}]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [], 16, None, None, None, None, 65_536]]]),
         msgpack.packb([1.0, [[]]]),
         msgpack.packb([1.0, [5]]),
         msgpack.packb([1.0, [[5, 1]]]),

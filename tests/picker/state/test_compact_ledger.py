@@ -176,3 +176,15 @@ def test_a_lane_that_empties_gives_its_memory_back() -> None:
             ledger.store(0, 0, 0, hashes[19_900:], hashes[19_900:])  # refreshes: appends
     assert list(compact.keys(0)) == list(reference.keys(0))
     assert compact._lanes[0].capacity < big // 8
+
+
+def test_a_store_that_meets_a_value_out_of_range_keeps_what_it_stored() -> None:
+    _, compact, released = ledgers([0], 100, 1000)
+    compact.store(0, 0, 0, [9], [9])
+    with pytest.raises((ValueError, OverflowError)):
+        compact.store(0, 0, 0, [1, 2, 9, 3], [1, 2, 1 << 64, 3])
+    assert compact.size == 3 and list(compact.keys(0)) == [9, 1, 2]
+    compact.store(0, 0, 0, [5], [5])
+    assert list(compact.keys(0)) == [9, 1, 2, 5]
+    assert compact.remove(0, 0, 0, [2, 9]) == 2
+    assert compact.size == 2 and released[1] == [(0, 0, 2), (0, 0, 9)]
