@@ -20,6 +20,10 @@ millisecond (:mod:`kv_picker.peers`). The supervisor serves the metrics port: ``
 merges the workers' expositions into one (counters and histograms summed; gauges of the process
 summed; gauges of the shared view, such as endpoint signals and index sizes, the largest of the
 workers'), ``/readyz`` is ready when every worker is, ``/healthz`` reports the workers too.
+Merged counters never go down: what a worker that exited (or was recycled) had counted at the
+supervisor's last scrape of it stays in the sums, and a worker that misses a scrape counts as
+its last answer, so a restart is not a counter reset to Prometheus (whose ``rate()`` would read
+one as a burst of the whole remaining count).
 
 With ``--worker-ports P1,...,PN`` worker i also listens on Pi alone, so that a gateway that
 lists those ports as endpoints balances streams over the workers itself (Envoy's least-request
@@ -55,7 +59,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +93,7 @@ _RESTART_BACKOFF_S = (1.0, 30.0)
 # refuses streams: a gateway health-checking each worker's port every second (the generated
 # Envoy configs do) stops sending it streams first, so none is refused.
 MIN_WORKER_DRAIN_S = 1.5
+_COUNTS_REFRESH_S = 5.0  # how often the supervisor reads the workers' counts between scrapes
 _HEALTHY_AFTER_S = 60.0  # a worker up this long starts its backoff again from the shortest
 
 
@@ -199,6 +204,39 @@ def merge_expositions(texts: Iterable[str]) -> bytes:
     return generate_latest(registry)
 
 
+_MONOTONIC_TYPES = frozenset({"counter", "histogram", "summary"})
+
+
+def monotonic_part(text: str, endpoints: Container[str] | None = None) -> str:
+    """The counters, histograms and summaries of an exposition (what must not go backwards),
+    without the series of endpoints not in ``endpoints`` (None: all kept)."""
+    kept = []
+    for family in text_string_to_metric_families(text):
+        if family.type not in _MONOTONIC_TYPES:
+            continue
+        if endpoints is not None:
+            samples = [sample for sample in family.samples
+                       if sample.labels.get("endpoint", "") in endpoints
+                       or "endpoint" not in sample.labels]  # fmt: skip
+            family.samples = samples
+        kept.append(family)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(kept))
+    return generate_latest(registry).decode()
+
+
+def endpoint_labels(texts: Iterable[str]) -> set[str]:
+    """The ``endpoint`` label values of expositions (the endpoints a picker knows now)."""
+    found: set[str] = set()
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                endpoint = sample.labels.get("endpoint")
+                if endpoint is not None:
+                    found.add(endpoint)
+    return found
+
+
 def requests_routed(text: str) -> float:
     """The sum of ``kv_picker_requests_total`` over its labels in one exposition."""
     total = 0.0
@@ -284,6 +322,11 @@ class Supervisor:
         self.directory = Path(tempfile.mkdtemp(prefix="kv-picker-"))  # 0700
         self.salt = secrets.token_hex(16)
         self.stopping = False
+        # Per worker index: (pid, last /metrics answer) of the incarnation last scraped; and
+        # the counters of incarnations gone, merged (see the module docstring).
+        self._last_seen: dict[int, tuple[int, str]] = {}
+        self._retired = ""
+        self._following: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -307,6 +350,7 @@ class Supervisor:
             )
         if self.recycle_rss_bytes > 0:
             self._tasks.append(asyncio.create_task(self._watch_memory(), name="worker-memory"))
+        self._tasks.append(asyncio.create_task(self._refresh_counts(), name="worker-counts"))
         log.info(
             "kv-picker supervisor: %d workers on ext_proc port %d, admin port %s, metrics on :%d",
             len(self.workers),
@@ -337,9 +381,10 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._following]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._runner is not None:
@@ -419,6 +464,9 @@ class Supervisor:
                 if worker.process is not None:
                     with contextlib.suppress(ProcessLookupError):
                         worker.process.send_signal(signal.SIGTERM)
+                    follow = asyncio.create_task(self._follow_drain(worker))
+                    self._following.add(follow)
+                    follow.add_done_callback(self._following.discard)
 
     # -- HTTP -------------------------------------------------------------------------------
 
@@ -439,12 +487,62 @@ class Supervisor:
     async def _ask_all(self, path: str) -> list[tuple[int, bytes] | None]:
         return list(await asyncio.gather(*(self._ask(w.index, path) for w in self.workers)))
 
-    async def _metrics_handler(self, request: web.Request) -> web.Response:
-        answers = await self._ask_all("/metrics")
+    # -- counters across worker incarnations ----------------------------------------------------
+
+    def _pid(self, worker: _Worker) -> int:
+        process = worker.process
+        return process.pid if process is not None and process.returncode is None else -1
+
+    def _note(self, worker: _Worker, pid: int, answer: tuple[int, bytes] | None) -> str | None:
+        """Take a worker's /metrics answer, asked of incarnation ``pid``; retire the previous
+        incarnation's last counts when it is gone. Returns the exposition, if it answered."""
+        seen = self._last_seen.get(worker.index)
+        if seen is not None and seen[0] != self._pid(worker):  # that incarnation is gone
+            self._retired = monotonic_part(merge_expositions([self._retired, seen[1]]).decode())
+            del self._last_seen[worker.index]
+        if answer is None or answer[0] != 200 or pid != self._pid(worker):
+            return None  # no answer, or one from an incarnation that ended meanwhile
+        text = answer[1].decode()
+        self._last_seen[worker.index] = (pid, text)
+        return text
+
+    async def _ask_counts(self, worker: _Worker) -> str | None:
+        pid = self._pid(worker)
+        return self._note(worker, pid, await self._ask(worker.index, "/metrics"))
+
+    async def _refresh_counts(self) -> None:
+        """Every few seconds, the workers' counts: what a worker that dies had counted is
+        known to within this period, not only to the last scrape."""
+        while True:
+            await asyncio.sleep(_COUNTS_REFRESH_S)
+            await asyncio.gather(*(self._ask_counts(worker) for worker in self.workers))
+
+    async def _follow_drain(self, worker: _Worker) -> None:
+        """A recycled worker's counts, often, until it exits (it serves while it drains)."""
+        pid = self._pid(worker)
+        while pid != -1 and self._pid(worker) == pid:
+            await self._ask_counts(worker)
+            await asyncio.sleep(0.2)
+
+    async def _merged_counts(self) -> tuple[dict[int, str], list[str]]:
+        """Each worker's exposition that answered, and what keeps the sums from going down:
+        the retired incarnations' counters and the last counters of a worker that did not
+        answer."""
+        answered = await asyncio.gather(*(self._ask_counts(worker) for worker in self.workers))
         texts: dict[int, str] = {}
-        for worker, answer in zip(self.workers, answers, strict=True):
-            if answer is not None and answer[0] == 200:
-                texts[worker.index] = answer[1].decode()
+        frozen: list[str] = []
+        for worker, text in zip(self.workers, answered, strict=True):
+            if text is not None:
+                texts[worker.index] = text
+            elif (seen := self._last_seen.get(worker.index)) is not None:
+                frozen.append(monotonic_part(seen[1]))  # alive, late: its last counts stand
+        if self._retired and texts:
+            # An endpoint gone from the pool leaves the exposition (the workers drop its series).
+            self._retired = monotonic_part(self._retired, endpoint_labels(texts.values()))
+        return texts, [self._retired, *frozen]
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        texts, carried = await self._merged_counts()
         up = len(texts)
         restarts = sum(worker.restarts for worker in self.workers)
         lines = [
@@ -476,7 +574,7 @@ class Supervisor:
         for index, text in sorted(texts.items()):
             lines.append(f'kv_picker_worker_requests_total{{worker="{index}"}} '
                          f"{requests_routed(text)}")  # fmt: skip
-        body = merge_expositions(texts.values()) + ("\n".join(lines) + "\n").encode()
+        body = merge_expositions([*texts.values(), *carried]) + ("\n".join(lines) + "\n").encode()
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _healthz_handler(self, request: web.Request) -> web.Response:

@@ -218,7 +218,10 @@ def run(
         finally:
             traffic.stop(120.0)
         final = probes.read_picker(port)
-        applied = final.value("kv_picker_config_reloads_total{result=applied}")
+        # Every worker applies every reload; the merged counter sums them (and keeps what a
+        # recycled worker had counted).
+        workers = max(1, int(final.value("kv_picker_workers{state=up}") or 1))
+        applied = final.value("kv_picker_config_reloads_total{result=applied}") / workers
         recycles = final.value("kv_picker_worker_recycles_total")
     figures: dict[str, object] = {
         "duration_s": duration_s,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -147,3 +148,64 @@ async def test_a_worker_past_the_memory_limit_is_recycled(tmp_path: Path) -> Non
     finally:
         await supervisor.stop()
     assert all(w.process is None or w.process.returncode is not None for w in supervisor.workers)
+
+
+def test_merged_counters_survive_a_worker_restart_and_a_missed_scrape(tmp_path: Path) -> None:
+    """A restarted worker is not a counter reset to Prometheus: the old incarnation's counts
+    stay in the sums (its gauges do not), as do the last counts of a worker that did not
+    answer; a departed endpoint's series leave with it."""
+    path = tmp_path / "picker.yaml"
+    path.write_text("server: {host: 127.0.0.1, grpcPort: 0, metricsPort: 0, admin: {port: 0}}\n")
+    config = load_config(path, builtin_registry(include_entry_points=False))
+    supervisor = Supervisor(config, str(path), 2)
+
+    def text(requests: int, running: int, picks: dict[str, int]) -> tuple[int, bytes]:
+        metrics = PickerMetrics(CollectorRegistry())
+        metrics.requests.labels("m", "routed").inc(requests)
+        metrics.running.set(running)
+        for endpoint, count in picks.items():
+            metrics.picks.labels("default", endpoint).inc(count)
+            metrics.endpoint_waiting.labels(endpoint).set(1)
+        return 200, generate_latest(metrics.registry)
+
+    def scrape(
+        *answers: tuple[int, bytes] | None,
+    ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        replies = dict(enumerate(answers))
+
+        async def ask(index: int, path: str) -> tuple[int, bytes] | None:
+            assert path == "/metrics"
+            return replies[index]
+
+        supervisor._ask = ask  # type: ignore[method-assign]
+        texts, carried = asyncio.run(supervisor._merged_counts())
+        return samples(merge_expositions([*texts.values(), *carried]).decode())
+
+    def set_pids(*pids: int) -> None:
+        for worker, pid in zip(supervisor.workers, pids, strict=True):
+            worker.process = SimpleNamespace(pid=pid, returncode=None)  # type: ignore[assignment]
+
+    routed = ("kv_picker_requests_total", (("model", "m"), ("outcome", "routed")))
+    running = ("kv_picker_requests_running", ())
+    a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+
+    def picked(endpoint: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return ("kv_picker_picks_total", (("endpoint", endpoint), ("profile", "default")))
+
+    set_pids(100, 200)
+    first = scrape(text(5, 2, {a: 5}), text(3, 1, {a: 2, b: 1}))
+    assert first[routed] == 8 and first[running] == 3
+    # Worker 0 was recycled: its successor counts from 0, the sums do not go back.
+    set_pids(101, 200)
+    second = scrape(text(1, 1, {a: 1}), text(4, 1, {a: 2, b: 2}))
+    assert second[routed] == 5 + 1 + 4 and second[running] == 2
+    assert second[picked(a)] == 5 + 1 + 2
+    # Worker 1 misses a scrape: its last counts stand (its gauges do not).
+    third = scrape(text(2, 0, {a: 2}), None)
+    assert third[routed] == 5 + 2 + 4 and third[running] == 0
+    # Endpoint b left the pool: no worker has its series, so the old incarnations' go too.
+    set_pids(101, 201)
+    fourth = scrape(text(3, 0, {a: 3}), text(0, 0, {a: 1}))
+    assert picked(b) not in fourth
+    assert fourth[routed] == 5 + 4 + 3 + 0 and fourth[picked(a)] == 5 + 2 + 3 + 1
+    supervisor.directory.rmdir()
