@@ -319,8 +319,9 @@ class IndexConfig:
     own keys from the events' token ids (any vLLM hash algorithm and seed); ``keys: strict``
     uses vLLM's block hashes, which needs ``hashAlgo`` (``--prefix-caching-hash-algo``) and
     ``hashSeed`` (``PYTHONHASHSEED``) equal on every pod. Bounds: ``maxBlocks`` (endpoint,
-    tier, group, block) entries in total (measured: about 150 bytes each in memory when
-    endpoints share prefixes, 250 when every block is distinct; about 45 in Redis), and per
+    tier, group, block) entries in total (measured with ``ledger: compact``: about 55 bytes
+    each in memory when endpoints share prefixes, 150 when every block is distinct; 155 and 250
+    with ``ledger: dict``; about 45 in Redis), and per
     endpoint and tier: the GPU tier its ``num_gpu_blocks`` when scraped, else (and other tiers)
     ``capacityBlocksPerEndpoint``.
 
