@@ -515,13 +515,20 @@ class Supervisor:
         known to within this period, not only to the last scrape."""
         while True:
             await asyncio.sleep(_COUNTS_REFRESH_S)
-            await asyncio.gather(*(self._ask_counts(worker) for worker in self.workers))
+            try:
+                await asyncio.gather(*(self._ask_counts(worker) for worker in self.workers))
+            except Exception:  # a worker's exposition we cannot parse: try again next time
+                log.exception("reading the workers' counts failed")
 
     async def _follow_drain(self, worker: _Worker) -> None:
         """A recycled worker's counts, often, until it exits (it serves while it drains)."""
         pid = self._pid(worker)
         while pid != -1 and self._pid(worker) == pid:
-            await self._ask_counts(worker)
+            try:
+                await self._ask_counts(worker)
+            except Exception:
+                log.exception("reading worker %d's counts failed", worker.index)
+                return
             await asyncio.sleep(0.2)
 
     async def _merged_counts(self) -> tuple[dict[int, str], list[str]]:
