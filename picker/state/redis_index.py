@@ -32,10 +32,10 @@ blocks of a prefix are almost always held by the same endpoints in the same tier
 bitmaps are the same bytes: the script compares each block's bitmap with the previous one and
 only does per-slot work when they differ, which makes a lookup one ``GET`` per block (a
 set-per-block layout costs a membership probe per block and holder, about 50x more at 256
-endpoints). Writes are batched: events apply to a local ledger (:mod:`kv_picker.state.block_ledger`) at once (it
-resolves engine hashes to keys, keeps entries per (endpoint, tier, group) and enforces the
-bounds, exactly as in-process), and the resulting bit operations are pipelined to Redis every
-few milliseconds. Replicas must agree on the tiers (``index.tierWeights``' names); the weights
+endpoints). Writes are batched: events apply at once to a local ledger
+(:mod:`kv_picker.state.block_ledger`; it resolves engine hashes to keys, keeps entries per
+(endpoint, tier, group) and enforces the bounds, exactly as in-process), and the resulting bit
+operations are pipelined to Redis every few milliseconds. Replicas must agree on the tiers (``index.tierWeights``' names); the weights
 are each replica's own.
 
 Outage: a failed call marks the backend unavailable, counts a backend error, and for

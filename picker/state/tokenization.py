@@ -16,7 +16,8 @@ are token ids, so the picker must tokenize like vLLM does:
   tokens kept.
 
 Encoding costs about 11 µs per 100 characters on the benchmarks' 2-core machine (a 4,000-token
-prompt takes about 1.8 ms), and chat requests repeat long pieces: the same system prompt, earlier turns.
+prompt takes about 1.8 ms), and chat requests repeat long pieces: the same system prompt,
+earlier turns.
 Added tokens (``<|im_start|>`` and the like) split the text into pieces that ``tokenizers``
 encodes independently of each other, so the picker splits there too and keeps the ids of long
 pieces in an LRU cache (``_CACHE_MAX_CHARS``): a conversation's shared prefix is tokenized
