@@ -191,8 +191,9 @@ class LedgerRules:
 
 
 class BlockLedger(LedgerRules):
-    """Engine hash → key per (endpoint, tier, group), LRU-bounded per (endpoint, tier) and in total,
-    in ordered dicts (see the module docstring; the arguments are :class:`LedgerRules`')."""
+    """Engine hash → key per (endpoint, tier, group), LRU-bounded per (endpoint, tier) and in
+    total, in ordered dicts (see the module docstring; the arguments are
+    :class:`LedgerRules`')."""
 
     __slots__ = ("_groups", "_in_heap", "_maps")
 

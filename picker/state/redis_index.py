@@ -35,8 +35,8 @@ set-per-block layout costs a membership probe per block and holder, about 50x mo
 endpoints). Writes are batched: events apply at once to a local ledger
 (:mod:`kv_picker.state.block_ledger`; it resolves engine hashes to keys, keeps entries per
 (endpoint, tier, group) and enforces the bounds, exactly as in-process), and the resulting bit
-operations are pipelined to Redis every few milliseconds. Replicas must agree on the tiers (``index.tierWeights``' names); the weights
-are each replica's own.
+operations are pipelined to Redis every few milliseconds. Replicas must agree on the tiers
+(``index.tierWeights``' names); the weights are each replica's own.
 
 Outage: a failed call marks the backend unavailable, counts a backend error, and for
 ``retry_s`` every lookup returns "no cache signal" at once (requests still route, on the other
