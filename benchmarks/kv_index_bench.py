@@ -101,6 +101,9 @@ class KeysOnlyIndex:
     what any index, however fast, could reach behind this Python decode and hashing."""
 
     class _Ledger(LedgerRules):
+        def _init_entries(self) -> None:
+            pass  # it holds nothing
+
         def resolve(self, endpoint_id: int, tier: int, group: int, engine_hash: int) -> int:
             return 1
 

@@ -129,6 +129,11 @@ class LedgerRules:
         self._stamp = 0
         self.size = 0
         self.evicted_blocks = 0
+        self._init_entries()
+
+    def _init_entries(self) -> None:
+        """The layout's own empty structures (each ledger class sets its own)."""
+        raise NotImplementedError
 
     def capacity(self, endpoint_id: int, tier: int = GPU_TIER) -> int:
         """The (endpoint, tier)'s bound in blocks."""
@@ -197,14 +202,7 @@ class BlockLedger(LedgerRules):
 
     __slots__ = ("_groups", "_in_heap", "_maps")
 
-    def __init__(
-        self,
-        default_capacity_blocks: int,
-        max_blocks: int,
-        capacity_source: Sequence[int] | None,
-        on_unheld: Callable[[int, int, int], None],
-    ) -> None:
-        super().__init__(default_capacity_blocks, max_blocks, capacity_source, on_unheld)
+    def _init_entries(self) -> None:
         self._maps: list[OrderedDict[int, int] | None] = []
         self._groups: list[list[int]] = []
         self._in_heap: list[bool] = []

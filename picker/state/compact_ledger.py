@@ -34,7 +34,7 @@ it operation by operation, and against the brute-force model). Groups are number
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -199,14 +199,7 @@ class CompactLedger(LedgerRules):
 
     __slots__ = ("_in_heap", "_lanes")
 
-    def __init__(
-        self,
-        default_capacity_blocks: int,
-        max_blocks: int,
-        capacity_source: Sequence[int] | None,
-        on_unheld: Callable[[int, int, int], None],
-    ) -> None:
-        super().__init__(default_capacity_blocks, max_blocks, capacity_source, on_unheld)
+    def _init_entries(self) -> None:
         self._lanes: dict[int, _Lane] = {}
         self._in_heap: set[int] = set()  # lanes with an entry in the heap (maybe stale)
 
