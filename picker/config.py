@@ -112,9 +112,10 @@ IGNORED_SECTIONS = (
 #
 # - predicted-latency-scorer (1): one estimate of time to first token per endpoint, from the
 #   prefill work queued there (tokens and attention, counted by the picker from the pick to the
-#   first byte), this prompt's uncached part, the engine's step and KV-read costs, and the
+#   first byte), this prompt's uncached part, the engine's step and KV-read costs, the wait for a
+#   free sequence slot past maxNumSeqs (64: set it to the engines' --max-num-seqs), and the
 #   endpoint's hardware class;
-# - active-request-scorer (3), counting the prompt tokens in flight (the KV each decode step
+# - active-request-scorer (2), counting the prompt tokens in flight (the KV each decode step
 #   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
 #   once batches fill and which the TTFT estimate cannot see coming; below 16,384 tokens in
 #   flight on the busiest candidate (fullScale: about 1 ms of KV read per decode step for an 8B
@@ -122,12 +123,14 @@ IGNORED_SECTIONS = (
 # - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
 #   (the latency estimate already counts cached tokens as free).
 #
+# Before the slot term, in-flight spreading had weight 3: it was the only signal of an endpoint
+# whose slots were full, and it gave up cache hits on lightly loaded pools.
 # The previous default (prefix 3, queue 1, kv-utilization 1, active requests 1) piled every
 # request sharing a system prompt onto one endpoint: on chat sessions it was up to 200x slower
 # than the best policy in the matrix.
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {"type": "prefix-cache-scorer"},
-    {"type": "predicted-latency-scorer"},
+    {"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": 64}},
     {
         "type": "active-request-scorer",
         "parameters": {"unit": "tokens", "perHardware": True, "fullScale": 16384},
@@ -139,7 +142,7 @@ DEFAULT_PROFILE: Mapping[str, Any] = {
     "plugins": [
         {"pluginRef": "prefix-cache-scorer", "weight": 1},
         {"pluginRef": "predicted-latency-scorer", "weight": 1},
-        {"pluginRef": "active-request-scorer", "weight": 3},
+        {"pluginRef": "active-request-scorer", "weight": 2},
         {"pluginRef": "max-score-picker"},
     ],
 }

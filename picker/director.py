@@ -59,9 +59,11 @@ class RoutedRequest:
     """
 
     __slots__ = (
+        "_answered",
         "_director",
         "_finished",
         "_logged",
+        "_picked_s",
         "_prefill",
         "_prompt_tokens",
         "dry_run",
@@ -92,11 +94,17 @@ class RoutedRequest:
         self._prefill: tuple[Endpoint, float, float] | None = None
         self._prompt_tokens = 0.0
         self._finished = dry_run
+        self._picked_s = director.store.now()
+        self._answered = False
         self._logged: LoggedRequest | None = None
 
     def first_byte(self) -> None:
         """The first response byte: the prompt has been processed, its prefill is no longer
         queued work (idempotent)."""
+        self._answered = True
+        self._end_prefill()
+
+    def _end_prefill(self) -> None:
         prefill, self._prefill = self._prefill, None
         if prefill is not None:
             self._director._end_prefill(*prefill)
@@ -108,11 +116,13 @@ class RoutedRequest:
             output_tokens: the completion tokens the endpoint reported in the response's
                 usage, None when it reported none (only the request log reads it).
         """
-        self.first_byte()
+        self._end_prefill()
         if self._finished:
             return
         self._finished = True
-        self._director._release(self.endpoint, self._prompt_tokens)
+        # Only a response the endpoint started counts toward how long its requests last.
+        seconds = self._director.store.now() - self._picked_s if self._answered else None
+        self._director._release(self.endpoint, self._prompt_tokens, seconds)
         logged = self._logged
         if logged is not None:
             self._logged = None
@@ -376,7 +386,7 @@ class Director:
         self.metrics.running.inc()
         self.metrics.requests.labels(self.metrics.model_label(model), outcome).inc()
 
-    def _release(self, endpoint: Endpoint, tokens: float) -> None:
+    def _release(self, endpoint: Endpoint, tokens: float, seconds: float | None = None) -> None:
         self.metrics.running.dec()
         if self.peers is not None:
             self.peers.released(endpoint, tokens)
@@ -387,6 +397,8 @@ class Director:
             store.in_flight_tokens[endpoint.id] = max(
                 0.0, store.in_flight_tokens[endpoint.id] - tokens
             )
+            if seconds is not None:
+                store.request_done(endpoint.id, seconds)
 
     def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float) -> None:
         if self.peers is not None:

@@ -13,7 +13,9 @@ queued_s(e)   = (Q_tokens(e) / R + Q_pairs(e) / (R * A)) / c.prefill_speed
 steps(e)      = ceil((Q_tokens(e) + n(e)) / chunkTokens)    # engine steps until the first token
 step_s(e)     = (stepSeconds + F(e) / kvReadTokensPerSecond) / c.decode_speed
 other_s(e)    = max(0, waiting(e) - Q_requests(e)) * queuedRequestSeconds / c.prefill_speed
-ttft(e)       = queued_s + own_s + steps * step_s + other_s (+ transferSecondsPerToken * n)
+slot_s(e)     = max(0, I(e) + 1 - maxNumSeqs) * L(e) / maxNumSeqs
+ttft(e)       = queued_s + own_s + steps * step_s + other_s + slot_s
+                (+ transferSecondsPerToken * n)
 score(e)      = min_e' ttft(e') / ttft(e)                   # the fastest candidate scores 1
 ```
 
@@ -22,9 +24,17 @@ length at which a token's attention costs as much as its linear layers; 0 = no a
 ``Q_tokens``, ``Q_pairs``, ``Q_requests`` the uncached tokens, their attention work and the
 requests this picker sent to ``e`` whose prefill has not finished (counted from the pick to the
 first response byte), ``F`` the prompt tokens of the requests in flight on ``e`` (the KV each
-decode step reads). Work is counted in tokens, not requests: a 100,000-token prompt ahead in
-the queue delays a new one far more than a 1,000-token one, and a long context costs more than
-its length (attention).
+decode step reads), ``I`` the requests in flight on ``e``, and ``L`` how long a request on ``e``
+lasts (a moving average from the pick to the response's end over the last twenty or so;
+``outputTokens * step_s`` before any has ended). Work is counted in tokens, not
+requests: a 100,000-token prompt ahead in the queue delays a new one far more than a
+1,000-token one, and a long context costs more than its length (attention).
+
+An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
+ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
+term, requests whose prompts are cached look free while they wait for a slot (their prefill is
+short): in the routing matrix the default piled chat sessions onto the endpoint holding their
+system prompt until the in-flight spreading stepped in.
 
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
@@ -41,7 +51,9 @@ their scale.
 Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverTokens``
 (20500; 0 = off), ``stepSeconds`` (0.0065), ``kvReadTokensPerSecond`` (17600000; 0 = off),
 ``chunkTokens`` (8192: vLLM's ``max_num_batched_tokens``), ``queuedRequestSeconds`` (0.1),
-``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0).
+``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0), ``maxNumSeqs`` (0:
+no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
+``outputTokens`` (256: the output length the slot term assumes until requests have ended).
 """
 
 from __future__ import annotations
@@ -69,6 +81,10 @@ class PredictedLatencyParams:
     queuedRequestSeconds: Annotated[float, NonNegative] = 0.1
     transferSecondsPerToken: Annotated[float, NonNegative] = 0.0
     charsPerToken: Annotated[float, Positive] = 4.0
+    ratioSpan: Annotated[float, NonNegative] = 0.0
+    maxNumSeqs: Annotated[int, NonNegative] = 0
+    outputTokens: Annotated[float, NonNegative] = 256.0
+    clip: bool = True
 
 
 class PredictedLatencyScorer:
@@ -104,7 +120,19 @@ class PredictedLatencyScorer:
         )
         unknown_waiting = max(0.0, store.waiting[i] - store.prefill_requests[i])
         other_s = unknown_waiting * params.queuedRequestSeconds / hardware.prefill_speed
-        return compute_s + steps * step_s + other_s + params.transferSecondsPerToken * uncached
+        slot_s = 0.0
+        if params.maxNumSeqs:
+            excess = store.in_flight[i] + 1 - params.maxNumSeqs
+            if excess > 0:
+                life_s = store.request_s[i] or params.outputTokens * step_s
+                slot_s = excess * life_s / params.maxNumSeqs
+        return (
+            compute_s
+            + steps * step_s
+            + other_s
+            + slot_s
+            + params.transferSecondsPerToken * uncached
+        )
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]

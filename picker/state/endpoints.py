@@ -60,6 +60,9 @@ class Subscription:
                     break
 
 
+REQUEST_AVERAGE_WEIGHT = 0.05
+"""Weight of the newest request in :attr:`EndpointStore.request_s` (about the last 20)."""
+
 MembershipCallback = Callable[[Sequence[Endpoint], Sequence[Endpoint]], None]
 """``callback(added, removed)``: endpoints that joined and left the store in one change."""
 
@@ -83,6 +86,10 @@ class EndpointStore:
         self.prefill_requests: list[int] = []
         self.prefill_pairs: list[float] = []
         self.in_flight_tokens: list[float] = []
+        # Seconds from the pick to the end of the response, a moving average over the requests
+        # this picker saw answered by the endpoint (0: none yet): how long a request holds one
+        # of the engine's sequence slots, at most.
+        self.request_s: list[float] = []
         self.scraped_s: list[float] = []
         self.ready: list[bool] = []
         self.block_size_tokens: list[int] = []
@@ -166,6 +173,7 @@ class EndpointStore:
             self.prefill_requests.append(0)
             self.prefill_pairs.append(0.0)
             self.in_flight_tokens.append(0.0)
+            self.request_s.append(0.0)
             self.ready.append(False)
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
@@ -182,6 +190,7 @@ class EndpointStore:
         self.prefill_requests[endpoint_id] = 0
         self.prefill_pairs[endpoint_id] = 0.0
         self.in_flight_tokens[endpoint_id] = 0.0
+        self.request_s[endpoint_id] = 0.0
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
         self.num_gpu_blocks[endpoint_id] = 0
@@ -247,6 +256,15 @@ class EndpointStore:
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
         self.prefill_pairs[endpoint_id] = max(0.0, self.prefill_pairs[endpoint_id] - pairs)
+
+    def request_done(self, endpoint_id: EndpointId, seconds: float) -> None:
+        """A request the endpoint answered took ``seconds`` from the pick to the response's
+        end."""
+        previous = self.request_s[endpoint_id]
+        if previous <= 0.0:
+            self.request_s[endpoint_id] = seconds
+        else:
+            self.request_s[endpoint_id] = previous + REQUEST_AVERAGE_WEIGHT * (seconds - previous)
 
     def get(self, endpoint_id: EndpointId) -> Endpoint | None:
         return self.endpoints[endpoint_id]

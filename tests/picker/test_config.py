@@ -61,7 +61,7 @@ def test_empty_config_is_the_builtin_default() -> None:
         "max-score-picker",
     ]
     weights = [entry.weight for entry in config.profiles[0].entries[:3]]
-    assert weights == [1, 1, 3]
+    assert weights == [1, 1, 2]
     assert config == parse_config({}, REGISTRY, source="<text>")
 
 

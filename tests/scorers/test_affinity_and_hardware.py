@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from kv_picker.endpoint import EndpointId
@@ -151,3 +153,35 @@ def test_predicted_latency_attention_steps_and_decode_pressure() -> None:
     assert scorer.predict_ttft_s(short, first) == pytest.approx(2 * 0.625 + 3 * 0.01)
     store.in_flight_tokens[second.id] = 50_000  # 50 ms more per step
     assert scorer.predict_ttft_s(short, second) == pytest.approx(0.625 + 2 * 0.06)
+
+
+def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
+    store = make_store(2)
+    full, free = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=0,
+        maxNumSeqs=4,
+        outputTokens=100,
+    )
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    request = make_request("x" * 4 * 1_000)  # 1,000 tokens: 0.1 s of prefill, one step
+    base = 0.1 + 0.01
+    store.in_flight[full.id] = 3  # this request takes the last slot: no wait
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base)
+    # Two requests past the cap: each slot frees after outputTokens steps shared by the
+    # maxNumSeqs running sequences, so the wait is 2 * 100 * 0.01 / 4.
+    store.in_flight[full.id] = 5
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.5)
+    assert scorer.predict_ttft_s(request, free) == pytest.approx(base)
+    assert scores(scorer, store, request) == pytest.approx([base / (base + 0.5), 1.0])
+    # Once requests have ended there, their measured duration replaces outputTokens steps.
+    store.request_done(full.id, 2.0)
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 2 * 2.0 / 4)
+    # Off (0): in-flight requests cost nothing beyond their queued prefill.
+    off = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, maxNumSeqs=0), make_context(store)
+    )
+    assert off.predict_ttft_s(request, full) == pytest.approx(base)

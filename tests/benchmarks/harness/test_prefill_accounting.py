@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from kv_picker.request import LLMRequest
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
@@ -109,3 +111,23 @@ def test_under_pd_the_prefill_endpoint_carries_the_work() -> None:
     assert [o.prefill_endpoint for o in result.outcomes] == [0, 0]
     assert seen[1] == ([4000.0, 0.0], [1, 0])
     assert simulator.store.prefill_requests == [0, 0]
+
+
+def test_the_store_learns_how_long_an_endpoints_requests_last() -> None:
+    # Two requests one after the other on one endpoint: the average starts at the first one's
+    # duration (pick to end) and moves a twentieth of the way toward the second's.
+    trace = make_trace([(0.0, 640, 8, list(range(1, 41))), (5.0, 640, 40, list(range(101, 141)))])
+    simulator = _simulator(trace, small_cluster(1, num_gpu_blocks=1000), TOKEN_AWARE)
+    result = simulator.run()
+    first, second = (o.finish_s - o.arrival_s for o in result.outcomes)
+    assert second > first > 0
+    assert simulator.store.request_s[0] == pytest.approx(first + 0.05 * (second - first))
+
+
+def test_a_refused_request_does_not_count_toward_how_long_requests_last() -> None:
+    trace = make_trace([(0.0, 64, 4, [1, 2, 3, 4]), (1.0, 6000, 4, list(range(10, 385)))])
+    simulator = _simulator(trace, small_cluster(1, num_gpu_blocks=100), TOKEN_AWARE)
+    result = simulator.run()
+    assert result.outcomes[1].status != OK
+    served = result.outcomes[0]
+    assert simulator.store.request_s[0] == pytest.approx(served.finish_s - served.arrival_s)
