@@ -847,6 +847,23 @@ class LocalStack:
             30.0,
             f"{wanted} ready endpoints",
         )
+        if self.envoy is not None and self.envoy.alive():
+            # A picker started again behind a running Envoy: Envoy health-checks the workers'
+            # ports (and ejects a port that refused a connection while the picker restarted);
+            # until it sees them healthy it fails every request with "no healthy upstream".
+            self.picker.wait_until(self.envoy_sees_picker_healthy, 30.0, "Envoy to see it healthy")
+
+    def envoy_sees_picker_healthy(self) -> bool:
+        """Every host of Envoy's ``ext_proc`` cluster is healthy (admin ``/clusters``)."""
+        status, body = http_get(f"http://127.0.0.1:{self.envoy_admin_port}/clusters")
+        if status != 200:
+            return False
+        flags = [
+            line.rpartition("::")[2]
+            for line in body.decode().splitlines()
+            if line.startswith("ext_proc::") and "::health_flags::" in line
+        ]
+        return bool(flags) and all(flag == "healthy" for flag in flags)
 
     def start_envoy_proxy(self) -> None:
         self.envoy_port = free_port()

@@ -121,6 +121,7 @@ def start(stack: LocalStack, setup: Setup, mode: str = "streamed") -> str:
     if stack.envoy is not None:
         stack.envoy.stop()
         stack.processes.remove(stack.envoy)
+        stack.envoy = None
     stack.picker_args = ["--workers", str(setup.workers)]
     stack.start_picker()
     assert stack.picker is not None

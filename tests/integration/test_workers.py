@@ -241,6 +241,17 @@ def test_recycled_workers_lose_no_request() -> None:
         assert 0.95 * len(statuses) <= routed[-1] <= len(statuses), (routed[-1], len(statuses))
 
 
+def test_a_picker_started_again_behind_envoy_serves_at_once() -> None:
+    # The live benchmark starts a picker per policy behind one Envoy. Envoy health-checks the
+    # workers' ports and ejects a port that refused a connection during the restart; the stack
+    # must not hand over before Envoy sees the workers again, or the first requests get 500s.
+    with LocalStack(sims=2, picker_args=["--workers", "2"], time_scale=0.05) as local:
+        assert burst(local, 8, "before") == [200] * 8
+        local.start_picker()
+        assert local.envoy_sees_picker_healthy()
+        assert burst(local, 32, "after") == [200] * 32
+
+
 @pytest.fixture
 def own_stack() -> Iterator[LocalStack]:
     with LocalStack(sims=2, picker_args=["--workers", "2"], start_envoy=False) as local:
