@@ -187,6 +187,14 @@ class PickerMetrics:
             ENDPOINT_LABELS,
             registry=r,
         )
+        self.endpoint_request_seconds = Gauge(
+            "kv_picker_endpoint_request_seconds",
+            "How long a request on the endpoint lasts, pick to response end: the moving average "
+            "predicted-latency-scorer's sequence-slot wait uses (0: none ended yet), at the last "
+            "scrape.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kv_picker_scrape_errors",
             "Failed metric scrapes, by endpoint.",
@@ -301,6 +309,7 @@ class PickerMetrics:
             self.endpoint_kv_usage,
             self.endpoint_in_flight,
             self.endpoint_queued_prefill_tokens,
+            self.endpoint_request_seconds,
             self.scrape_errors,
         ):
             metric.remove(address)

@@ -264,6 +264,7 @@ class MetricsScraper:
         self.metrics.endpoint_queued_prefill_tokens.labels(address).set(
             self.store.prefill_tokens[endpoint.id]
         )
+        self.metrics.endpoint_request_seconds.labels(address).set(self.store.request_s[endpoint.id])
 
 
 async def fetch_signals(session: aiohttp.ClientSession, address: str, path: str) -> EndpointSignals:

@@ -112,7 +112,17 @@ async def test_the_child_scrapes_into_the_store_and_follows_the_endpoint_set(
     scraper = ProcessScraper(store, metrics, 0.05, 1.0)
     task = asyncio.create_task(scraper.run())
     try:
+        store.request_done(good.id, 2.5)  # the picker's own measure, exported at each scrape
         await wait_for(lambda: store.ready[good.id], "the good endpoint scraped")
+        await wait_for(
+            lambda: (
+                metrics.registry.get_sample_value(
+                    "kv_picker_endpoint_request_seconds", {"endpoint": endpoints.good}
+                )
+                == 2.5
+            ),
+            "the request duration exported",
+        )
         assert (store.waiting[good.id], store.running[good.id]) == (3.0, 2.0)
         assert store.kv_usage[good.id] == 0.25 and store.num_gpu_blocks[good.id] == 2048
         lora = store.lora[good.id]
