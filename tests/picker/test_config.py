@@ -179,6 +179,22 @@ def test_durations() -> None:
         ({"kind": "Deployment"}, ["kind"]),
         ({"schedulingProfiles": []}, ["at least one profile"]),
         ({"plugins": "queue-scorer"}, ["plugins", "list"]),
+        (
+            {"plugins": [{"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": -1}}]},
+            ["plugins[0]", "maxNumSeqs"],
+        ),
+        (
+            {"plugins": [{"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": 1.5}}]},
+            ["plugins[0]", "maxNumSeqs", "integer"],
+        ),
+        (
+            {
+                "plugins": [
+                    {"type": "predicted-latency-scorer", "parameters": {"outputTokens": "x"}}
+                ]
+            },
+            ["plugins[0]", "outputTokens"],
+        ),
     ],
 )
 def test_bad_configs_name_the_field(document: dict[str, object], fragments: list[str]) -> None:
