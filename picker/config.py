@@ -117,11 +117,15 @@ IGNORED_SECTIONS = (
 #   endpoint's hardware class;
 # - active-request-scorer (2), counting the prompt tokens in flight (the KV each decode step
 #   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
-#   once batches fill and which the TTFT estimate cannot see coming; below 16,384 tokens in
-#   flight on the busiest candidate (fullScale: about 1 ms of KV read per decode step for an 8B
-#   model on an H100) differences count only in proportion, so an idle pool keeps affinity;
+#   once batches fill and which the TTFT estimate cannot see coming; below 8,192 tokens in
+#   flight on the busiest candidate (fullScale: about half a millisecond of KV read per decode
+#   step for an 8B model on an H100) differences count only in proportion, so an idle pool
+#   keeps affinity;
 # - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
-#   (the latency estimate already counts cached tokens as free).
+#   (the latency estimate already counts cached tokens as free). It matches up to 2,048 blocks
+#   (about 32,000 tokens), not the upstream 256 (about 4,000): the latency estimate takes its
+#   cached tokens from this match, and with 256 a 25,000-token agent context cached on one
+#   endpoint looked almost as slow there as anywhere else, so in-flight spreading moved it.
 #
 # Before the slot term, in-flight spreading had weight 3: it was the only signal of an endpoint
 # whose slots were full, and it gave up cache hits on lightly loaded pools.
@@ -129,11 +133,11 @@ IGNORED_SECTIONS = (
 # request sharing a system prompt onto one endpoint: on chat sessions it was up to 200x slower
 # than the best policy in the matrix.
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
-    {"type": "prefix-cache-scorer"},
+    {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 2048}},
     {"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": 64}},
     {
         "type": "active-request-scorer",
-        "parameters": {"unit": "tokens", "perHardware": True, "fullScale": 16384},
+        "parameters": {"unit": "tokens", "perHardware": True, "fullScale": 8192},
     },
     {"type": "max-score-picker"},
 )

@@ -87,7 +87,7 @@ dimensions:
 - {plugin: kv-cache-utilization-scorer, weight: {low: 0.25, high: 4, step: 0.25, optional: true}}
 - plugin: active-request-scorer
   parameter: fullScale
-  choices: [0, 16384, 32768, 65536, 131072, 262144]
+  choices: [0, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
 - {plugin: prefix-cache-scorer, parameter: blockSizeChars, choices: [32, 64, 128, 256]}
 - plugin: prefix-cache-scorer
   parameter: maxPrefixBlocksToMatch

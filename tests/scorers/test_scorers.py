@@ -104,6 +104,30 @@ def test_default_profile_spreads_requests_sharing_only_a_first_block() -> None:
     assert max(counts.values()) < 0.4 * 400
 
 
+def test_default_profile_sees_a_long_cached_context_as_cached() -> None:
+    # An agent's 25,000-token context, cached where its previous turn ran. The latency estimate
+    # takes cached tokens from the prefix match; matching only the upstream 256 blocks (about
+    # 4,000 tokens) made the holding endpoint look nearly as slow as an empty one.
+    director = make_director({}, store=make_store(4))
+    context = "".join(f"step {i}: tool output {i * 7919 % 10007}. " for i in range(3600))
+    assert len(context) > 100_000
+    first = director.route(make_request(context, request_id="turn-1"))
+    first.first_byte()
+    first.finish()
+    routed = director.route(
+        make_request(context + " next step?", request_id="turn-2"), None, explain=True
+    )
+    assert routed.endpoint is first.endpoint
+    assert routed.result is not None
+    result = routed.result.profile_results["default"]
+    assert result.breakdown is not None
+    latency = result.breakdown["predicted-latency-scorer"]
+    holder = result.candidates.index(first.endpoint)
+    assert latency[holder] == 1.0
+    # Elsewhere the whole context is prefill: many times slower than the suffix alone.
+    assert max(s for i, s in enumerate(latency) if i != holder) < 0.1, latency
+
+
 def test_removed_endpoint_leaves_the_prefix_index() -> None:
     store = make_store(2)
     scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
