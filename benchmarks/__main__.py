@@ -19,6 +19,7 @@ COMMANDS = {
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
     "tracing": "kv_picker_bench.tracing_overhead",
+    "prefix-match": "kv_picker_bench.prefix_match_cost",
     "faults": "kv_picker_bench.faults.cli",
     "soak": "kv_picker_bench.faults.soak",
 }
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
         print("  tracing    per-request cost of OpenTelemetry tracing, off and on (in process)")
+        print("  prefix-match  per-request cost of matching long prompts further (in process)")
         print("  faults     fault suite: kills, bad reloads and inputs, gRPC abuse, outages")
         print("  soak       long run: steady load, restarts, reloads; RSS, fds, tasks over time")
         return 0 if args and args[0] in ("-h", "--help") else 2
