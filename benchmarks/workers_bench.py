@@ -19,10 +19,11 @@ what the exchange between workers costs shows here), and the throughput ratio to
 one core measured in the same run.
 
 ``--exchange RATES`` measures the exchange alone instead: one process sends what a worker
-routing RATE requests a second would (a pick of ~250 block keys, its first byte and its end,
-over 16 endpoints), another applies them as a worker does (approximate index records, counts),
-and the receiver's CPU time per request received is reported: what each extra worker adds to
-every other worker's work per request.
+routing RATE requests a second would (a pick of ``--exchange-keys`` block keys, 250 by default,
+about a 4,000-token prompt; its first byte and its end; over 16 endpoints), another applies them
+as a worker does (approximate index records, counts), and the receiver's CPU time per request
+received is reported: what each extra worker adds to every other worker's work per request.
+Four fifths of each pick's keys are one of 20 shared prefixes, the rest new.
 """
 
 from __future__ import annotations
@@ -220,13 +221,14 @@ def _exchange_store() -> EndpointStore:
     return store
 
 
-async def _exchange_sender(directory: str, rate: float, seconds: float) -> int:
+async def _exchange_sender(directory: str, rate: float, seconds: float, keys_per_pick: int) -> int:
     store = _exchange_store()
     sync = PeerSync(store, lambda records, ids: None, directory, 0, 2)
     sync.start()
     await asyncio.sleep(1.0)  # the receiver connects
     rng = random.Random(1)
-    prefixes = [[rng.getrandbits(64) for _ in range(200)] for _ in range(20)]
+    shared = keys_per_pick * 4 // 5
+    prefixes = [[rng.getrandbits(64) for _ in range(shared)] for _ in range(20)]
     started = time.monotonic()
     sent = 0
     open_requests = []
@@ -234,7 +236,9 @@ async def _exchange_sender(directory: str, rate: float, seconds: float) -> int:
         due = int((time.monotonic() - started) * rate)
         while sent < due:
             endpoint = store.by_address[_EXCHANGE_ENDPOINTS[sent % 16]]
-            keys = prefixes[sent % 20] + [rng.getrandbits(64) for _ in range(50)]
+            keys = prefixes[sent % 20] + [
+                rng.getrandbits(64) for _ in range(keys_per_pick - shared)
+            ]
             sync.picked(endpoint, None, 4000.0, 800.0, 1e6, [("prefix-cache-scorer", keys)])
             open_requests.append(endpoint)
             sent += 1
@@ -270,7 +274,7 @@ def _exchange_receiver(directory: str, seconds: float, results: Any) -> None:
     results.put(asyncio.run(receive()))
 
 
-def exchange_cost(rate: float, seconds: float = 8.0) -> dict[str, float]:
+def exchange_cost(rate: float, seconds: float = 8.0, keys_per_pick: int = 250) -> dict[str, float]:
     """The receiving worker's CPU per request another worker routed (see the docstring)."""
     directory = tempfile.mkdtemp(prefix="kv-picker-exchange-")
     results: Any = multiprocessing.get_context("spawn").Queue()
@@ -279,12 +283,13 @@ def exchange_cost(rate: float, seconds: float = 8.0) -> dict[str, float]:
     )
     receiver.start()
     try:
-        sent = asyncio.run(_exchange_sender(directory, rate, seconds))
+        sent = asyncio.run(_exchange_sender(directory, rate, seconds, keys_per_pick))
         cpu_s, received = results.get(timeout=seconds + 30)
     finally:
         receiver.join(10)
     return {
         "rate": rate,
+        "keys_per_pick": keys_per_pick,
         "requests": sent,
         "messages_received": received,
         "receiver_cpu_s": cpu_s,
@@ -330,6 +335,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure only the exchange between workers at these request rates (e.g. "
         "100,300,1000): the receiving worker's CPU per request",
     )
+    parser.add_argument(
+        "--exchange-keys",
+        type=int,
+        default=250,
+        help="block keys per pick in --exchange (250: a ~4,000-token prompt; the default "
+        "profile matches up to 2,048)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write workers.json/.md here")
     args = parser.parse_args(argv)
     if args.exchange is not None:
@@ -337,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rates = [float(r) for r in args.exchange.split(",") if r.strip()]
         except ValueError:
             parser.error("--exchange must be a comma list of rates")
-        rows = [exchange_cost(rate) for rate in rates]
+        if args.exchange_keys < 1:
+            parser.error("--exchange-keys must be positive")
+        rows = [exchange_cost(rate, keys_per_pick=args.exchange_keys) for rate in rates]
         lines = ["| requests/s routed by the other worker | receiver CPU µs per request "
                  "| receiver CPU (% of a core) |", "|---:|---:|---:|"]  # fmt: skip
         lines += [f"| {r['rate']:.0f} | {r['cpu_us_per_request']:.0f} | "

@@ -47,8 +47,10 @@ def test_a_process_trees_cpu_time_grows_with_its_work() -> None:
     assert cpu_seconds(pid) > before
 
 
-def test_the_exchange_is_measured_on_real_sockets() -> None:
-    row = exchange_cost(rate=200, seconds=1.5)
+@pytest.mark.parametrize("keys", [250, 2048])
+def test_the_exchange_is_measured_on_real_sockets(keys: int) -> None:
+    row = exchange_cost(rate=200, seconds=1.5, keys_per_pick=keys)
+    assert row["keys_per_pick"] == keys
     assert row["requests"] >= 250
     # Every pick, first byte and end reached the receiver (and its snapshots are extra).
     assert row["messages_received"] >= 3 * row["requests"] - 3 * 17
