@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kv_picker.config import parse_config
 from kv_picker.plugins import builtin_registry
 from kv_picker_bench.prefix_match_cost import default_document, main, measure
@@ -26,3 +28,19 @@ def test_the_benchmark_runs_and_reports_ratios_to_256_blocks(capsys) -> None:  #
     )
     table = capsys.readouterr().out
     assert "| 3,000 | 256 |" in table and "| 3,000 | 1024 |" in table and "| 1.00x |" in table
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-chars", "4k"], "comma lists of integers"),
+        (["--blocks", "256,x"], "comma lists of integers"),
+        (["--prompt-chars", "0"], "must be positive"),
+        (["--requests", "0"], "must be positive"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_reason(args: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

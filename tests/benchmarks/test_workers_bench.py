@@ -13,6 +13,7 @@ from kv_picker_bench.workers_bench import (
     cpu_seconds,
     exchange_cost,
     format_results,
+    main,
     parse_setup,
     process_tree,
     run,
@@ -55,6 +56,13 @@ def test_the_exchange_is_measured_on_real_sockets(keys: int) -> None:
     # Every pick, first byte and end reached the receiver (and its snapshots are extra).
     assert row["messages_received"] >= 3 * row["requests"] - 3 * 17
     assert row["cpu_us_per_request"] > 0
+
+
+def test_a_pick_without_keys_is_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--exchange", "100", "--exchange-keys", "0"])
+    assert exit_info.value.code == 2
+    assert "--exchange-keys must be positive" in capsys.readouterr().err
 
 
 def test_a_tiny_run_routes_through_one_and_two_workers(tmp_path: Path) -> None:
