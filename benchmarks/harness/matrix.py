@@ -109,6 +109,12 @@ class Family:
 # The Mooncake conversation trace: a window from its middle, where caches are warm enough to
 # matter (requests from 1,800 s to 2,000 s of the hour).
 CONVERSATION_WINDOW_S = (1800.0, 2000.0)
+# Other draws of the conversation family (``--family-seed``) take the following 200-second
+# windows of the trace's second half: draw k starts (k - 1) mod 8 windows later.
+_CONVERSATION_WINDOWS = 8
+
+DEFAULT_FAMILY_SEED = 1
+"""The draw of every family the reports in ``benchmarks/RESULTS.md`` use."""
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -217,9 +223,30 @@ class CellResult:
     decode_load: float = math.nan
 
 
-def family_trace(family: Family, quick: bool) -> Trace:
-    """The family's workload (the conversation family: a window of the Mooncake trace)."""
+def conversation_window(draw: int) -> tuple[float, float]:
+    """The conversation family's window of the Mooncake trace for draw ``draw`` (seconds)."""
+    start, end = CONVERSATION_WINDOW_S
+    shift = (end - start) * ((draw - 1) % _CONVERSATION_WINDOWS)
+    return start + shift, end + shift
+
+
+def family_spec(family: Family, quick: bool, draw: int = DEFAULT_FAMILY_SEED) -> str:
+    """The family's trace spec for one draw: its generator's seed is ``draw``."""
     spec = family.quick_spec if quick else family.spec
+    if draw == DEFAULT_FAMILY_SEED or ":" not in spec:
+        return spec
+    name, _, params = spec.partition(":")
+    fields = [f"seed={draw}" if item.startswith("seed=") else item for item in params.split(",")]
+    return f"{name}:{','.join(fields)}"
+
+
+def family_trace(family: Family, quick: bool, draw: int = DEFAULT_FAMILY_SEED) -> Trace:
+    """The family's workload (the conversation family: a window of the Mooncake trace).
+
+    ``draw`` picks another sample of the same family: the generators' seed, or the
+    conversation trace's window (:func:`conversation_window`).
+    """
+    spec = family_spec(family, quick, draw)
     if spec == "conversation":
         found = find_trace("conversation", traces_dir())
         if found is None:
@@ -228,7 +255,7 @@ def family_trace(family: Family, quick: bool) -> Trace:
                 f"(set {TRACES_ENV}), or leave it out with --families"
             )
         trace = parse_trace_spec(str(found))
-        trace = slice_trace(trace, window_s=CONVERSATION_WINDOW_S, first=150 if quick else None)
+        trace = slice_trace(trace, window_s=conversation_window(draw), first=150 if quick else None)
     else:
         trace = parse_trace_spec(spec)
     trace.name = family.name
@@ -297,12 +324,14 @@ def plan_matrix(
     policies: Sequence[Policy],
     quick: bool,
     cluster_overrides: Callable[[str], dict[str, Any]],
+    draw: int = DEFAULT_FAMILY_SEED,
 ) -> MatrixPlan:
     """Build every cell's trace (scaled to its load) and cluster.
 
     Args:
         cluster_overrides: per timing profile name, the ``ClusterConfig`` fields it sets
             (the timing model, KV capacity, KV bytes per token).
+        draw: which sample of each family (:func:`family_trace`).
     """
     cells: list[Cell] = []
     traces: dict[Cell, Trace] = {}
@@ -313,7 +342,7 @@ def plan_matrix(
     base_traces: dict[str, Trace] = {}
     for name in families:
         family = FAMILIES[name]
-        base_traces[name] = family_trace(family, quick)
+        base_traces[name] = family_trace(family, quick, draw)
     for timing in timings:
         for name in families:
             family = FAMILIES[name]
@@ -609,12 +638,23 @@ def markdown_report(title: str, command: str, results: Sequence[CellResult], wal
     return "\n".join(lines) + "\n"
 
 
-def results_json(command: str, results: Sequence[CellResult], wall_s: float) -> dict[str, Any]:
+def results_json(
+    command: str,
+    results: Sequence[CellResult],
+    wall_s: float,
+    draw: int = DEFAULT_FAMILY_SEED,
+) -> dict[str, Any]:
     return {
         "command": command,
         "wall_s": wall_s,
+        "family_seed": draw,
+        "conversation_window_s": list(conversation_window(draw)),
         "families": {
-            name: {"spec": f.spec, "split": f.split, "long_prompts": f.long_prompts}
+            name: {
+                "spec": family_spec(f, False, draw),
+                "split": f.split,
+                "long_prompts": f.long_prompts,
+            }
             for name, f in FAMILIES.items()
         },
         "summary": [
@@ -772,6 +812,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
     parser.add_argument(
+        "--family-seed",
+        type=int,
+        default=DEFAULT_FAMILY_SEED,
+        metavar="N",
+        help=f"which draw of every family ({DEFAULT_FAMILY_SEED}): the generators' seed, and "
+        "for the conversation family the N-th 200-second window from 1,800 s of the trace "
+        f"(cycling after {_CONVERSATION_WINDOWS})",
+    )
+    parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
     )
     parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
@@ -790,6 +839,8 @@ def _families(text: str) -> list[str]:
 def _matrix(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     started = time.perf_counter()
+    if args.family_seed < 1:
+        raise UsageError(f"--family-seed must be at least 1, not {args.family_seed}")
     families = _families(args.families)
     loads = parse_loads(args.loads)
     clusters = _names(args.clusters, list(CLUSTERS), "clusters")
@@ -798,7 +849,16 @@ def _matrix(argv: Sequence[str]) -> int:
     registry = harness_registry()
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
-    plan = plan_matrix(families, loads, clusters, timings, policies, args.quick, _timing_overrides)
+    plan = plan_matrix(
+        families,
+        loads,
+        clusters,
+        timings,
+        policies,
+        args.quick,
+        _timing_overrides,
+        args.family_seed,
+    )
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     if not args.quiet:
@@ -812,7 +872,7 @@ def _matrix(argv: Sequence[str]) -> int:
     title = args.title or "Routing-policy matrix"
     text = markdown_report(title, command, results, wall_s)
     (folder / "matrix.md").write_text(text, encoding="utf-8")
-    write_json(folder / "matrix.json", results_json(command, results, wall_s))
+    write_json(folder / "matrix.json", results_json(command, results, wall_s, args.family_seed))
     if not args.no_plots:
         plot_default_heatmap(results, folder / "default_heatmap.png")
         plot_policy_ratios(summarize_policies(results), folder / "policy_ratios.png")

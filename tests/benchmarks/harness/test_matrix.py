@@ -18,7 +18,10 @@ from kv_picker_bench.harness.matrix import (
     Cell,
     CellResult,
     cell_ratios,
+    conversation_window,
     default_verdict,
+    family_spec,
+    family_trace,
     summarize_policies,
 )
 from kv_picker_bench.harness.report import PolicyMetrics
@@ -113,6 +116,36 @@ def test_every_family_is_in_one_split_and_pd_only_for_long_prompts() -> None:
     assert sum(f.split == TUNING for f in FAMILIES.values()) >= 4
     assert sum(f.split == HELD_OUT for f in FAMILIES.values()) >= 4
     assert CLUSTERS["pd"].pd and not CLUSTERS["small4"].pd
+
+
+def test_another_draw_of_a_family_is_another_trace_of_the_same_shape() -> None:
+    family = FAMILIES["chat"]
+    assert family_spec(family, quick=True) == family.quick_spec  # draw 1: the reported one
+    assert "seed=2" in family_spec(family, quick=True, draw=2)
+    first = family_trace(family, quick=True)
+    again = family_trace(family, quick=True, draw=1)
+    second = family_trace(family, quick=True, draw=2)
+    prompts = [r.input_tokens for r in first.requests]
+    assert prompts == [r.input_tokens for r in again.requests]
+    assert prompts != [r.input_tokens for r in second.requests]
+    assert len(second.requests) > 0
+
+
+def test_the_conversation_family_draws_later_windows_of_the_trace() -> None:
+    assert conversation_window(1) == matrix.CONVERSATION_WINDOW_S
+    start, end = conversation_window(2)
+    assert start == matrix.CONVERSATION_WINDOW_S[1] and end - start == 200.0
+    assert conversation_window(9) == conversation_window(1)  # eight windows, then again
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_family_seed_below_one_is_refused_with_a_reason(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = matrix.main(["--quick", "--family-seed", value, "--out", str(tmp_path), "--quiet"])
+    assert code == 2
+    assert f"--family-seed must be at least 1, not {value}" in capsys.readouterr().err
+    assert not (tmp_path / "matrix.json").exists()
 
 
 def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
