@@ -81,10 +81,8 @@ class PredictedLatencyParams:
     queuedRequestSeconds: Annotated[float, NonNegative] = 0.1
     transferSecondsPerToken: Annotated[float, NonNegative] = 0.0
     charsPerToken: Annotated[float, Positive] = 4.0
-    ratioSpan: Annotated[float, NonNegative] = 0.0
     maxNumSeqs: Annotated[int, NonNegative] = 0
     outputTokens: Annotated[float, NonNegative] = 256.0
-    clip: bool = True
 
 
 class PredictedLatencyScorer:

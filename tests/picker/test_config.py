@@ -195,6 +195,10 @@ def test_durations() -> None:
             },
             ["plugins[0]", "outputTokens"],
         ),
+        (  # a parameter the scorer does not read is refused, not silently ignored
+            {"plugins": [{"type": "predicted-latency-scorer", "parameters": {"ratioSpan": 2}}]},
+            ["plugins[0]", "unknown field", "ratioSpan"],
+        ),
     ],
 )
 def test_bad_configs_name_the_field(document: dict[str, object], fragments: list[str]) -> None:
