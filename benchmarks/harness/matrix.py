@@ -43,7 +43,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -813,12 +813,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
     parser.add_argument(
         "--family-seed",
-        type=int,
-        default=DEFAULT_FAMILY_SEED,
-        metavar="N",
+        default=str(DEFAULT_FAMILY_SEED),
+        metavar="N[,N...]",
         help=f"which draw of every family ({DEFAULT_FAMILY_SEED}): the generators' seed, and "
         "for the conversation family the N-th 200-second window from 1,800 s of the trace "
-        f"(cycling after {_CONVERSATION_WINDOWS})",
+        f"(cycling after {_CONVERSATION_WINDOWS}); several draws run one after the other, each "
+        "into draw-N/, with a summary of the default's verdicts across them in draws.md",
     )
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
@@ -839,8 +839,7 @@ def _families(text: str) -> list[str]:
 def _matrix(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     started = time.perf_counter()
-    if args.family_seed < 1:
-        raise UsageError(f"--family-seed must be at least 1, not {args.family_seed}")
+    draws = parse_family_seeds(args.family_seed)
     families = _families(args.families)
     loads = parse_loads(args.loads)
     clusters = _names(args.clusters, list(CLUSTERS), "clusters")
@@ -849,34 +848,48 @@ def _matrix(argv: Sequence[str]) -> int:
     registry = harness_registry()
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
-    plan = plan_matrix(
-        families,
-        loads,
-        clusters,
-        timings,
-        policies,
-        args.quick,
-        _timing_overrides,
-        args.family_seed,
-    )
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
-    if not args.quiet:
-        print(
-            f"matrix: {len(plan.cells)} cells x {len(policies)} policies "
-            f"({len(plan.jobs())} runs) -> {folder}",
-            file=sys.stderr,
-        )
-    results = run_matrix(plan, args.seed, args.jobs, args.quiet)
-    wall_s = time.perf_counter() - started
     title = args.title or "Routing-policy matrix"
-    text = markdown_report(title, command, results, wall_s)
-    (folder / "matrix.md").write_text(text, encoding="utf-8")
-    write_json(folder / "matrix.json", results_json(command, results, wall_s, args.family_seed))
-    if not args.no_plots:
-        plot_default_heatmap(results, folder / "default_heatmap.png")
-        plot_policy_ratios(summarize_policies(results), folder / "policy_ratios.png")
-    print(text)
+    per_draw: dict[int, list[CellResult]] = {}
+    for draw in draws:
+        plan = plan_matrix(
+            families,
+            loads,
+            clusters,
+            timings,
+            policies,
+            args.quick,
+            _timing_overrides,
+            draw,
+        )
+        out = folder if len(draws) == 1 else folder / f"draw-{draw}"
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.quiet:
+            print(
+                f"matrix{'' if len(draws) == 1 else f' draw {draw}'}: {len(plan.cells)} cells x "
+                f"{len(policies)} policies ({len(plan.jobs())} runs) -> {out}",
+                file=sys.stderr,
+            )
+        draw_started = time.perf_counter()
+        results = run_matrix(plan, args.seed, args.jobs, args.quiet)
+        wall_s = time.perf_counter() - draw_started
+        draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
+        text = markdown_report(draw_title, command, results, wall_s)
+        (out / "matrix.md").write_text(text, encoding="utf-8")
+        write_json(out / "matrix.json", results_json(command, results, wall_s, draw))
+        if not args.no_plots:
+            plot_default_heatmap(results, out / "default_heatmap.png")
+            plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
+        per_draw[draw] = results
+    if len(draws) == 1:
+        print(text)
+    else:
+        text = draws_report(title, command, per_draw)
+        text += f"\nWall time of all draws: {time.perf_counter() - started:.1f} s.\n"
+        (folder / "draws.md").write_text(text, encoding="utf-8")
+        write_json(folder / "draws.json", draws_json(command, per_draw))
+        print(text)
     print(f"results: {folder}")
     return EXIT_OK
 
@@ -885,3 +898,144 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``kv-picker bench matrix``: returns the exit code."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     return run_command("matrix", arguments, lambda: _matrix(arguments))
+
+
+# ----------------------------------------------------------------------------- several draws
+
+
+def parse_family_seeds(text: str) -> list[int]:
+    """``--family-seed``: one draw or a comma list of them, each at least 1, no repeats."""
+    draws: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            draw = int(item)
+        except ValueError:
+            raise UsageError(f"--family-seed: {item!r} is not a whole number") from None
+        if draw < 1:
+            raise UsageError(f"--family-seed must be at least 1, not {draw}")
+        if draw in draws:
+            raise UsageError(f"--family-seed: draw {draw} is listed twice")
+        draws.append(draw)
+    return draws
+
+
+@dataclass(slots=True)
+class FamilyDraws:
+    """The default's verdicts on one family's cells over several draws."""
+
+    family: str
+    split: str
+    cells: int
+    passed: list[int]
+    passed_in_all: int
+    failed_in_all: int
+
+
+def family_draws(per_draw: Mapping[int, Sequence[CellResult]]) -> list[FamilyDraws]:
+    """Per family: how many cells the default passes in each draw, in every one, in none.
+
+    A cell is the same family x load x cluster x timing in every draw; only cells present in
+    every draw count.
+    """
+    draws = list(per_draw)
+    verdicts: list[dict[tuple[str, float, str, str], bool]] = []
+    for draw in draws:
+        found: dict[tuple[str, float, str, str], bool] = {}
+        for result in per_draw[draw]:
+            verdict = default_verdict(result)
+            if verdict is not None:
+                cell = result.cell
+                found[(cell.family, cell.load, cell.cluster, cell.timing)] = verdict.passed
+        verdicts.append(found)
+    common = [key for key in verdicts[0] if all(key in v for v in verdicts[1:])] if verdicts else []
+    rows: dict[str, FamilyDraws] = {}
+    for key in common:
+        name = key[0]
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = FamilyDraws(name, FAMILIES[name].split, 0, [0] * len(draws), 0, 0)
+        outcomes = [v[key] for v in verdicts]
+        row.cells += 1
+        for i, passed in enumerate(outcomes):
+            row.passed[i] += passed
+        row.passed_in_all += all(outcomes)
+        row.failed_in_all += not any(outcomes)
+    order = list(FAMILIES)
+    return sorted(rows.values(), key=lambda r: order.index(r.family))
+
+
+def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> str:
+    """Markdown: the default's verdicts across draws, per family, and each draw's summary."""
+    draws = list(per_draw)
+    rows = family_draws(per_draw)
+    lines = [
+        f"# {title}: {len(draws)} draws of every family",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Each draw replays every family with another generator seed (the conversation family: "
+        "another window of the trace); each draw's full report is in `draw-N/matrix.md`. A "
+        "verdict that holds in every draw is a property of the policy; one that flips is the "
+        "draw's.",
+        "",
+        "## The default's verdict per family",
+        "",
+        "| family | split | cells | "
+        + " | ".join(f"pass, draw {d}" for d in draws)
+        + " | pass in all | fail in all |",
+        "|---|---|---:|" + "---:|" * (len(draws) + 2),
+    ]
+
+    def line(name: str, split: str, chosen: list[FamilyDraws]) -> str:
+        passed = [sum(r.passed[i] for r in chosen) for i in range(len(draws))]
+        return (
+            f"| {name} | {split} | {sum(r.cells for r in chosen)} | "
+            + " | ".join(str(p) for p in passed)
+            + f" | {sum(r.passed_in_all for r in chosen)} "
+            f"| {sum(r.failed_in_all for r in chosen)} |"
+        )
+
+    for row in rows:
+        lines.append(line(row.family, row.split, [row]))
+    for split in (TUNING, HELD_OUT):
+        chosen = [r for r in rows if r.split == split]
+        if chosen:
+            lines.append(line(f"**{split}**", "", chosen))
+    lines.append(line("**all**", "", rows))
+    lines += [
+        "",
+        "## Each draw: the default against the other policies",
+        "",
+        "Ratio to the best policy of each cell, geometric mean over cells, and the worst cell.",
+        "",
+        "| draw | default TTFT mean / p90 | best other policy (TTFT mean) | worst TTFT mean "
+        "| worst TTFT p90 | worst throughput |",
+        "|---|---|---|---|---|---|",
+    ]
+    for draw in draws:
+        summaries = summarize_policies(per_draw[draw])
+        mine = next((s for s in summaries if s.policy == DEFAULT_POLICY), None)
+        others = [s for s in summaries if s.policy != DEFAULT_POLICY]
+        if mine is None:
+            continue
+        other = f"{others[0].policy} ({others[0].geo_ttft_mean:.3f})" if others else "–"
+        lines.append(
+            f"| {draw} | {mine.geo_ttft_mean:.3f} / {mine.geo_ttft_p90:.3f} | {other} "
+            f"| {mine.worst_ttft_mean[0]:.2f} ({mine.worst_ttft_mean[1]}) "
+            f"| {mine.worst_ttft_p90[0]:.2f} ({mine.worst_ttft_p90[1]}) "
+            f"| {mine.worst_throughput[0]:.2f} ({mine.worst_throughput[1]}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def draws_json(command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> dict[str, Any]:
+    return {
+        "command": command,
+        "draws": list(per_draw),
+        "families": [_slots(row) for row in family_draws(per_draw)],
+        "summary": {
+            str(draw): [_slots(s) for s in summarize_policies(results)]
+            for draw, results in per_draw.items()
+        },
+    }

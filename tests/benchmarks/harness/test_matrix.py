@@ -138,14 +138,52 @@ def test_the_conversation_family_draws_later_windows_of_the_trace() -> None:
     assert conversation_window(9) == conversation_window(1)  # eight windows, then again
 
 
-@pytest.mark.parametrize("value", ["0", "-3"])
-def test_a_family_seed_below_one_is_refused_with_a_reason(
-    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("0", "--family-seed must be at least 1, not 0"),
+        ("-3", "--family-seed must be at least 1, not -3"),
+        ("1,x", "--family-seed: 'x' is not a whole number"),
+        ("2,2", "--family-seed: draw 2 is listed twice"),
+    ],
+)
+def test_a_bad_family_seed_is_refused_with_a_reason(
+    value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = matrix.main(["--quick", "--family-seed", value, "--out", str(tmp_path), "--quiet"])
     assert code == 2
-    assert f"--family-seed must be at least 1, not {value}" in capsys.readouterr().err
+    assert reason in capsys.readouterr().err
     assert not (tmp_path / "matrix.json").exists()
+
+
+def test_several_draws_report_each_and_the_verdicts_across_them(tmp_path: Path) -> None:
+    code = matrix.main(
+        ["--quick", "--families", "chat,rag", "--clusters", "small4", "--loads", "0.5",
+         "--timing", "llama-3.1-8b-h100", "--policy", "round-robin", "--policy", "gie-default",
+         "--policy", "kv-picker", "--family-seed", "1,3", "--out", str(tmp_path), "--quiet",
+         "--jobs", "1", "--no-plots"]
+    )  # fmt: skip
+    assert code == 0
+    verdicts = {}
+    for draw in (1, 3):
+        document = json.loads((tmp_path / f"draw-{draw}" / "matrix.json").read_text())
+        assert document["family_seed"] == draw
+        assert f"seed={draw}" in document["families"]["chat"]["spec"]
+        verdicts[draw] = {
+            (c["family"], c["load"]): c["default_verdict"]["passed"] for c in document["cells"]
+        }
+    assert set(verdicts[1]) == set(verdicts[3]) == {("chat", 0.5), ("rag", 0.5)}
+    summary = json.loads((tmp_path / "draws.json").read_text())
+    assert summary["draws"] == [1, 3]
+    rows = {row["family"]: row for row in summary["families"]}
+    for family in ("chat", "rag"):
+        key = (family, 0.5)
+        assert rows[family]["passed"] == [int(verdicts[1][key]), int(verdicts[3][key])]
+        assert rows[family]["passed_in_all"] == int(verdicts[1][key] and verdicts[3][key])
+        assert rows[family]["failed_in_all"] == int(not (verdicts[1][key] or verdicts[3][key]))
+    text = (tmp_path / "draws.md").read_text()
+    assert "| pass, draw 1 | pass, draw 3 | pass in all | fail in all |" in text
+    assert not (tmp_path / "matrix.json").exists()  # one report per draw, in its folder
 
 
 def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
