@@ -225,4 +225,12 @@ def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
     text = (tmp_path / "matrix.md").read_text()
     assert "## Summary: ratio to the best policy of each cell" in text
     assert "chat / 0.4 / small4 / llama-3.1-8b-h100" in text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| policy | TTFT s"))
+    header = lines[at]
+    assert "end-to-end s mean / p99" in header
+    row = next(line for line in lines[at:] if line.startswith("| kv-picker |"))
+    assert row.count("|") == header.count("|")  # every row has the header's columns
+    e2e = json.loads((tmp_path / "matrix.json").read_text())["cells"][0]["policies"]["kv-picker"]
+    assert f"{e2e['e2e_s']['mean']:.2f} / {e2e['e2e_s']['p99']:.2f}" in row
     assert (tmp_path / "default_heatmap.png").stat().st_size > 0
