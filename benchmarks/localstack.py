@@ -188,6 +188,7 @@ def envoy_bootstrap(
                                                     "grpc_service": {
                                                         "envoy_grpc": {"cluster_name": "ext_proc"},
                                                         "timeout": "10s",
+                                                        "retry_policy": picker_retry_policy(),
                                                     },
                                                     "failure_mode_allow": fail_open,
                                                     "processing_mode": processing_mode,
@@ -243,6 +244,9 @@ def envoy_bootstrap(
                                 "max_connections": 40000,
                                 "max_pending_requests": 40000,
                                 "max_requests": 40000,
+                                # Envoy's default is 3 retries at once: a worker's death
+                                # retries every stream that raced its ejection.
+                                "max_retries": 1024,
                             }
                         ]
                     },
@@ -407,6 +411,31 @@ def early_header_removal() -> dict[str, Any]:
             "header_mutation.v3.HeaderMutation",
             "mutations": [{"remove": DESTINATION_HEADER}],
         },
+    }
+
+
+def picker_retry_policy() -> dict[str, Any]:
+    """Retry an ext_proc stream that never reached a picker: its connection was refused, or
+    the stream was refused before the picker saw it. Nothing ran, so nothing runs twice.
+
+    A worker that dies is ejected at the first refused connection, but the ejection reaches
+    Envoy's worker threads through its main thread; until then least-request balancing favours
+    the dead port, whose count of active streams just fell to zero. Retried on another host
+    (``previous_hosts``), those streams are served instead of answered 500."""
+    return {
+        "retry_on": "connect-failure,refused-stream",
+        "num_retries": 2,
+        "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
+                    "PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
     }
 
 
