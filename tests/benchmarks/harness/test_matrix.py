@@ -110,6 +110,40 @@ def test_policy_summaries_take_the_worst_cell() -> None:
     assert by_name["random"].worst_throughput[0] == 0.5
 
 
+def test_pooled_draws_weigh_every_request_and_every_second() -> None:
+    """Two draws of one cell: the default trails in the first, leads in the second; pooled, the
+    TTFT mean is over all served requests and the throughput over the summed makespans."""
+    first = cell_result(
+        metrics("kv-picker", 1.0, 2.0, 100.0), metrics("gie-default", 0.8, 2.0, 100)
+    )
+    second = cell_result(metrics("kv-picker", 1.0, 2.0, 100.0), metrics("gie-default", 1.3, 3, 100))
+    gie = second.metrics["gie-default"]
+    gie.ok, gie.makespan_s, gie.output_tokens_per_s = 30, 30.0, 60.0
+    gie.ttft_s = {**gie.ttft_s, "p99": 5.0}
+    assert not default_verdict(first).passed  # type: ignore[union-attr]
+    (pooled,) = matrix.pooled_results({1: [first], 2: [second]})
+    assert pooled.cell == first.cell and pooled.requests == 20
+    row = pooled.metrics["gie-default"]
+    assert row.ok == 40
+    assert row.ttft_s["mean"] == pytest.approx((0.8 * 10 + 1.3 * 30) / 40)
+    assert row.ttft_s["p90"] == pytest.approx(2.5)  # the mean of the draws' p90s
+    assert row.ttft_s["p99"] == pytest.approx(3.5)
+    assert row.output_tokens_per_s == pytest.approx((100 * 10 + 60 * 30) / 40)
+    assert row.makespan_s == 40.0
+    assert pooled.metrics["kv-picker"].ttft_s["mean"] == pytest.approx(1.0)
+    verdict = default_verdict(pooled)
+    assert verdict is not None and verdict.passed, verdict
+    # A policy missing from a draw is not pooled; a cell missing from a draw neither.
+    third = cell_result(metrics("kv-picker", 1.0, 2.0, 100.0), family="rag")
+    assert matrix.pooled_results({1: [first], 2: [second, third]})[0].metrics.keys() == {
+        "kv-picker",
+        "gie-default",
+    }
+    assert len(matrix.pooled_results({1: [first], 2: [second, third]})) == 1
+    lonely = matrix.pooled_results({1: [first], 2: [cell_result(metrics("kv-picker", 1, 1, 1))]})
+    assert list(lonely[0].metrics) == ["kv-picker"]
+
+
 def test_every_family_is_in_one_split_and_pd_only_for_long_prompts() -> None:
     splits = {f.split for f in FAMILIES.values()}
     assert splits == {TUNING, HELD_OUT}
@@ -159,15 +193,17 @@ def test_a_bad_family_seed_is_refused_with_a_reason(
 def test_several_draws_report_each_and_the_verdicts_across_them(tmp_path: Path) -> None:
     code = matrix.main(
         ["--quick", "--families", "chat,rag", "--clusters", "small4", "--loads", "0.5",
-         "--timing", "llama-3.1-8b-h100", "--policy", "round-robin", "--policy", "gie-default",
-         "--policy", "kv-picker", "--family-seed", "1,3", "--out", str(tmp_path), "--quiet",
-         "--jobs", "1", "--no-plots"]
+         "--timing", "llama-3.1-8b-h100", "--policy", "kv-picker", "--policy", "gie-default",
+         "--policy", "round-robin", "--family-seed", "1,3", "--out", str(tmp_path), "--quiet",
+         "--jobs", "2", "--no-plots"]
     )  # fmt: skip
     assert code == 0
     verdicts = {}
     for draw in (1, 3):
         document = json.loads((tmp_path / f"draw-{draw}" / "matrix.json").read_text())
         assert document["family_seed"] == draw
+        for cell in document["cells"]:  # the order asked for, not the order runs finished in
+            assert list(cell["policies"]) == ["kv-picker", "gie-default", "round-robin"]
         assert f"seed={draw}" in document["families"]["chat"]["spec"]
         verdicts[draw] = {
             (c["family"], c["load"]): c["default_verdict"]["passed"] for c in document["cells"]
@@ -181,8 +217,16 @@ def test_several_draws_report_each_and_the_verdicts_across_them(tmp_path: Path) 
         assert rows[family]["passed"] == [int(verdicts[1][key]), int(verdicts[3][key])]
         assert rows[family]["passed_in_all"] == int(verdicts[1][key] and verdicts[3][key])
         assert rows[family]["failed_in_all"] == int(not (verdicts[1][key] or verdicts[3][key]))
+    pooled = {c["family"]: c["default_verdict"]["passed"] for c in summary["pooled"]["cells"]}
+    assert {f: int(p) for f, p in pooled.items()} == {
+        f: rows[f]["passed_pooled"] for f in ("chat", "rag")
+    }
+    assert {s["policy"] for s in summary["pooled"]["summary"]} == {
+        "round-robin", "gie-default", "kv-picker"
+    }  # fmt: skip
     text = (tmp_path / "draws.md").read_text()
-    assert "| pass, draw 1 | pass, draw 3 | pass in all | fail in all |" in text
+    assert "| pass, draw 1 | pass, draw 3 | pass in all | fail in all | pass, pooled |" in text
+    assert "| pooled | " in text
     assert not (tmp_path / "matrix.json").exists()  # one report per draw, in its folder
 
 
