@@ -61,7 +61,7 @@ def statuses_through(stack: LocalStack, name: str, retry: bool, count: int) -> l
 
 
 def test_a_refused_picker_connection_is_retried_on_another_host(stack: LocalStack) -> None:
-    assert statuses_through(stack, "envoy-retry", retry=True, count=40) == [200] * 40
+    assert statuses_through(stack, "envoy-retry", retry=True, count=100) == [200] * 100
 
 
 def test_without_the_retry_a_refused_connection_is_the_clients_500(stack: LocalStack) -> None:
