@@ -1107,6 +1107,7 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
 
 
 def draws_json(command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> dict[str, Any]:
+    pooled = pooled_results(per_draw)
     return {
         "command": command,
         "draws": list(per_draw),
@@ -1116,10 +1117,10 @@ def draws_json(command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> di
             for draw, results in per_draw.items()
         },
         "pooled": {
-            "summary": [_slots(s) for s in summarize_policies(pooled_results(per_draw))],
+            "summary": [_slots(s) for s in summarize_policies(pooled)],
             "cells": [
                 {**_slots(result.cell), "default_verdict": _verdict_json(default_verdict(result))}
-                for result in pooled_results(per_draw)
+                for result in pooled
             ],
         },
     }
