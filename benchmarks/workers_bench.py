@@ -244,7 +244,7 @@ async def _exchange_sender(directory: str, rate: float, seconds: float, keys_per
             sent += 1
             if len(open_requests) > 16:
                 done = open_requests.pop(0)
-                sync.prefilled(done, 800.0, 1e6)
+                sync.prefilled(done, 800.0, 1e6, False)
                 sync.released(done, 4000.0)
         await asyncio.sleep(0.001)
     await asyncio.sleep(0.5)

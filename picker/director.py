@@ -7,6 +7,7 @@ parse(body, headers) ─> LLMRequest
 prepare(request)     ─> awaitable | None      plugins' async work (tokenize, fetch)
 route(request, metadata) ─> RoutedRequest     candidates → admission → schedule → the pick:
    │                                          in-flight slot taken, queued prefill counted
+   │                                          (P/D: in flight at the prefill endpoint too)
    ├── first_byte()                           the prompt has been processed: prefill done
    └── finish(output_tokens)                  the response ended: slot released (once), the
                                               request log's row queued (with a request log)
@@ -91,12 +92,19 @@ class RoutedRequest:
         self.result = result
         self.outcome = outcome
         self.dry_run = dry_run
-        self._prefill: tuple[Endpoint, float, float] | None = None
+        # Where the prompt is computed, its uncached tokens and their attention work, and
+        # whether that is a separate prefill endpoint (in flight there until the first byte).
+        self._prefill: tuple[Endpoint, float, float, bool] | None = None
         self._prompt_tokens = 0.0
         self._finished = dry_run
         self._picked_s = director.store.now()
         self._answered = False
         self._logged: LoggedRequest | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        """The prompt has not been processed yet (its prefill is still counted)."""
+        return self._prefill is not None
 
     def first_byte(self) -> None:
         """The first response byte: the prompt has been processed, its prefill is no longer
@@ -324,8 +332,15 @@ class Director:
         cached = min(cached_tokens(request, target.id), total)
         tokens = total - cached
         pairs = tokens * (cached + tokens / 2)
-        self.store.add_prefill(target.id, tokens, pairs)
-        handle._prefill = (target, tokens, pairs)
+        store = self.store
+        store.add_prefill(target.id, tokens, pairs)
+        # A separate prefill endpoint runs the request (one of its sequences) until its prefill
+        # leg ends: in flight there too, until the first byte. Its prompt tokens count in flight
+        # at the decode endpoint only: they are the KV that decode steps read.
+        separate = prefill_endpoint is not None
+        if separate:
+            store.in_flight[target.id] += 1
+        handle._prefill = (target, tokens, pairs, separate)
         handle._prompt_tokens = total
         self._take(endpoint, request.model, outcome, total)
         if self.peers is not None:
@@ -400,11 +415,16 @@ class Director:
             if seconds is not None:
                 store.request_done(endpoint.id, seconds)
 
-    def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float) -> None:
+    def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float, separate: bool) -> None:
+        """The prompt at ``endpoint`` has been processed; at a ``separate`` prefill endpoint
+        the request's in-flight slot there is released too."""
         if self.peers is not None:
-            self.peers.prefilled(endpoint, tokens, pairs)
-        if self.store.get(endpoint.id) is endpoint:
-            self.store.prefill_done(endpoint.id, tokens, pairs)
+            self.peers.prefilled(endpoint, tokens, pairs, separate)
+        store = self.store
+        if store.get(endpoint.id) is endpoint:
+            store.prefill_done(endpoint.id, tokens, pairs)
+            if separate and store.in_flight[endpoint.id] > 0:
+                store.in_flight[endpoint.id] -= 1
 
     def _log_finished(self, logged: LoggedRequest, output_tokens: int | None) -> None:
         if self.request_log is not None:

@@ -176,7 +176,8 @@ class PickerMetrics:
         )
         self.endpoint_in_flight = Gauge(
             "kv_picker_endpoint_in_flight_requests",
-            "Requests routed here and not finished.",
+            "Requests routed here and not finished (a prefill endpoint under P/D: until the "
+            "prompt is processed).",
             ENDPOINT_LABELS,
             registry=r,
         )

@@ -10,10 +10,11 @@ worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker
 
 frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, ...]]
   pick      [0, destination, prefill | None, prompt tokens, prefill tokens, prefill pairs,
-             [[plugin name, keys], ...]]
+             [[plugin name, keys], ...]]         (in flight at a separate prefill endpoint too)
   take      [1, destination]                                   (a request without a body)
   release   [2, destination, prompt tokens]                    (the request finished)
-  prefilled [3, prefill target, tokens, pairs]                 (its first byte came back)
+  prefilled [3, prefill target, tokens, pairs, separate]       (its first byte came back;
+             separate: the target was a prefill endpoint, where it was in flight too)
   snapshot  [4, {address: [in flight, in-flight tokens, prefill tokens, prefill requests,
              prefill pairs]}]                                            (every 0.5 s)
   scraped   [5, address, waiting, running, KV usage, block size, GPU blocks, LoRA | None]
@@ -203,13 +204,14 @@ class PeerSync:
         pairs: float,
         records: Sequence[tuple[str, Sequence[int]]],
     ) -> None:
-        """A request was routed: in flight at ``destination``, prefill queued at ``prefill``
-        (or the destination), and the plugins' pick records."""
+        """A request was routed: in flight at ``destination`` (and at ``prefill``), prefill
+        queued at ``prefill`` (or the destination), and the plugins' pick records."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
-        target = prefill or destination
-        _add(self.local, target.address, 0, 0, prefill_tokens, 1, pairs)
-        self._send([PICK, destination.address, prefill.address if prefill is not None else None,
-                    prompt_tokens, prefill_tokens, pairs, records])  # fmt: skip
+        prefill_address = prefill.address if prefill is not None else None
+        _add(self.local, *_prefill_delta(destination.address, prefill_address, prefill_tokens,
+                                         pairs))  # fmt: skip
+        self._send([PICK, destination.address, prefill_address, prompt_tokens, prefill_tokens,
+                    pairs, records])  # fmt: skip
 
     def took(self, destination: Endpoint) -> None:
         """A request without a body was routed to ``destination``."""
@@ -221,10 +223,11 @@ class PeerSync:
         _add(self.local, destination.address, -1, -prompt_tokens, 0, 0, 0)
         self._send([RELEASE, destination.address, prompt_tokens])
 
-    def prefilled(self, target: Endpoint, tokens: float, pairs: float) -> None:
-        """A request's prefill at ``target`` finished."""
-        _add(self.local, target.address, 0, 0, -tokens, -1, -pairs)
-        self._send([PREFILLED, target.address, tokens, pairs])
+    def prefilled(self, target: Endpoint, tokens: float, pairs: float, separate: bool) -> None:
+        """A request's prefill at ``target`` finished (``separate``: a prefill endpoint, where
+        the request was in flight too)."""
+        _add(self.local, target.address, *_prefilled_delta(tokens, pairs, separate))
+        self._send([PREFILLED, target.address, tokens, pairs, separate])
 
     def scraped(self, endpoint: Endpoint, signals: EndpointSignals | None, reason: str) -> None:
         """This worker scraped ``endpoint`` (``signals`` None: the scrape failed)."""
@@ -356,7 +359,8 @@ class PeerSync:
             prompt_tokens, prefill_tokens, pairs = _numbers(message[3:6])
             records = [(_name(name), _ints(keys)) for name, keys in message[6]]
             self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
-            self._apply(peer, prefill or destination, (0, 0, prefill_tokens, 1, pairs))
+            address, *delta = _prefill_delta(destination, prefill, prefill_tokens, pairs)
+            self._apply(peer, address, delta)
             by_address = self.store.by_address
             ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
             if ids and records:
@@ -366,9 +370,10 @@ class PeerSync:
         elif kind == RELEASE and len(message) == 3:
             (tokens,) = _numbers(message[2:])
             self._apply(peer, _address(message[1]), (-1, -tokens, 0, 0, 0))
-        elif kind == PREFILLED and len(message) == 4:
-            tokens, pairs = _numbers(message[2:])
-            self._apply(peer, _address(message[1]), (0, 0, -tokens, -1, -pairs))
+        elif kind == PREFILLED and len(message) == 5:
+            tokens, pairs = _numbers(message[2:4])
+            separate = _bool(message[4])
+            self._apply(peer, _address(message[1]), _prefilled_delta(tokens, pairs, separate))
         elif kind == SCRAPED and len(message) == 8:
             signals = decode_signals(message[1:])
             if self.on_scrape is not None:
@@ -460,6 +465,28 @@ def _numbers(values: object, length: int | None = None) -> list[float]:
             raise TypeError(f"expected a finite number, not {value!r}")
         out.append(float(value))
     return out
+
+
+def _prefill_delta(
+    destination: str, prefill: str | None, prefill_tokens: float, pairs: float
+) -> tuple[str, float, float, float, float, float]:
+    """A pick's change (address first) where its prompt is computed: the queued prefill work,
+    and at a separate prefill endpoint the request in flight (its prompt tokens count in flight
+    at the destination only, as the director counts them)."""
+    if prefill is None:
+        return destination, 0, 0, prefill_tokens, 1, pairs
+    return prefill, 1, 0, prefill_tokens, 1, pairs
+
+
+def _prefilled_delta(tokens: float, pairs: float, separate: bool) -> list[float]:
+    """The reverse of :func:`_prefill_delta` once the prompt is processed."""
+    return [-1 if separate else 0, 0, -tokens, -1, -pairs]
+
+
+def _bool(value: object) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected a boolean, not {value!r}")
+    return value
 
 
 def _add(totals: dict[str, list[float]], address: str, *delta: float) -> None:

@@ -701,6 +701,8 @@ class ClusterSimulator:
         in_flight = [0] * len(self.engines)
         for routed in self._routed.values():
             in_flight[routed.endpoint.id] += 1
+            if routed.prefill_endpoint is not None and routed.prefilling:
+                in_flight[routed.prefill_endpoint.id] += 1
         if in_flight != self.store.in_flight[: len(self.engines)]:
             raise AssertionError("the store's in-flight counts differ from the open requests")
 

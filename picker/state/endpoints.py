@@ -11,14 +11,15 @@ waiting:   3          0          0          vllm:num_requests_waiting
 running:   12         4          0          vllm:num_requests_running
 kv_usage:  0.41       0.07       0.0        vllm:kv_cache_usage_perc, [0,1]
 lora:      LoraState  None       None       vllm:lora_requests_info
-in_flight: 2          0          0          requests routed here and not yet finished
+in_flight: 2          0          0          requests routed here and not yet finished (at a
+                                            prefill endpoint under P/D: until the first byte)
 prefill_tokens: 5200.0  0.0     0.0        uncached prompt tokens sent here whose prefill has
                                             not finished (no response byte yet): queued work
 prefill_requests: 1     0       0          how many requests those tokens belong to
 prefill_pairs: 2.6e7  0.0       0.0        their attention work: sum of n * (c + n / 2) over those
                                             requests (n uncached tokens after c cached ones)
 in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
-                                            decode steps read)
+                                            decode steps read; a prefill endpoint's: none)
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from kv_picker.endpoint import EndpointSpec
-from kv_picker.peers import PICK, SCRAPED, SNAPSHOT, STATE, PeerSync
+from kv_picker.peers import PICK, PREFILLED, SCRAPED, SNAPSHOT, STATE, PeerSync
 from kv_picker.sources.scraper import EndpointSignals
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore, LoraState
@@ -79,13 +79,16 @@ async def test_a_pick_reaches_the_other_worker_by_address(tmp_path: Path) -> Non
         a.sync.picked(decode, prefill, 900.0, 600.0, 1e5, [("prefix-cache-scorer", [1, 2, 3])])
         await eventually(lambda: b.counts(ADDRESSES[0])[0] == 1)
         assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
-        assert b.counts(ADDRESSES[1]) == (0, 0.0, 600.0, 1, 1e5)
+        # The prefill endpoint runs the request too, until its prefill leg ends (its prompt
+        # tokens count in flight where they are decoded).
+        assert b.counts(ADDRESSES[1]) == (1, 0.0, 600.0, 1, 1e5)
         ids = [b.endpoint(ADDRESSES[0]).id, b.endpoint(ADDRESSES[1]).id]
         assert b.records == [([("prefix-cache-scorer", [1, 2, 3])], ids)]
         assert ids != [decode.id, prefill.id]  # the test would pass by chance otherwise
 
-        a.sync.prefilled(prefill, 600.0, 1e5)
+        a.sync.prefilled(prefill, 600.0, 1e5, True)
         await eventually(lambda: b.counts(ADDRESSES[1]) == (0, 0.0, 0.0, 0, 0.0))
+        assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
         a.sync.released(decode, 900.0)
         await eventually(lambda: b.counts(ADDRESSES[0]) == (0, 0.0, 0.0, 0, 0.0))
         # b's own picks count beside a's, and a sees them.
@@ -161,6 +164,8 @@ async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
         frame(0, 1, [PICK, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]]]),
         frame(0, 1, [PICK, ADDRESSES[0], None, 1, float("nan"), 1, []]),
         frame(0, 1, [SNAPSHOT, {ADDRESSES[0]: [1, 2]}]),
+        frame(0, 1, [PREFILLED, ADDRESSES[0], 1, 1]),  # no held field
+        frame(0, 1, [PREFILLED, ADDRESSES[0], 1, 1, 1]),  # not a boolean
         frame(0, 1, "not a message"),
     ],
 )

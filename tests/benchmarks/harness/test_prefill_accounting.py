@@ -113,6 +113,39 @@ def test_under_pd_the_prefill_endpoint_carries_the_work() -> None:
     assert simulator.store.prefill_requests == [0, 0]
 
 
+def test_under_pd_the_prefill_endpoint_counts_the_request_in_flight_until_its_first_byte() -> None:
+    # The second request arrives while the first is prefilling (0.4 s of work), the third
+    # after the first's prefill leg has ended but while it still decodes at the decode endpoint.
+    trace = make_trace(
+        [
+            (0.0, 4000, 400, list(range(1, 251))),
+            (0.01, 4000, 4, list(range(1001, 1251))),
+            (2.0, 4000, 4, list(range(2001, 2251))),
+        ]
+    )
+    config = replace(
+        small_cluster(2, num_gpu_blocks=1000),
+        endpoints=(EndpointSetup("prefill"), EndpointSetup("decode")),
+    )
+    simulator = _simulator(trace, config, pd_variant(TOKEN_AWARE))
+    store = simulator.store
+    seen: list[tuple[list[int], list[float]]] = []
+    schedule = simulator.scheduler.schedule
+
+    def recording(request: LLMRequest, candidates: Any, *args: Any) -> Any:
+        seen.append((list(store.in_flight), list(store.in_flight_tokens)))
+        return schedule(request, candidates, *args)
+
+    simulator.scheduler.schedule = recording  # type: ignore[method-assign]
+    result = simulator.run()
+    assert [o.prefill_endpoint for o in result.outcomes] == [0, 0, 0]
+    assert [o.status for o in result.outcomes] == [OK, OK, OK]
+    # The first request, at both endpoints; its prompt tokens where they will be decoded.
+    assert seen[1] == ([1, 1], [0.0, 4000.0])
+    assert seen[2] == ([0, 1], [0.0, 4000.0])  # prefilled: at the decode endpoint only
+    assert store.in_flight == [0, 0] and store.in_flight_tokens == [0.0, 0.0]
+
+
 def test_the_store_learns_how_long_an_endpoints_requests_last() -> None:
     # Two requests one after the other on one endpoint: the average starts at the first one's
     # duration (pick to end) and moves a twentieth of the way toward the second's.

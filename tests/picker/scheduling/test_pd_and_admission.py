@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kv_picker.endpoint import ROLE_LABEL
 from kv_picker.errors import BadRequestError, ConfigError, SaturatedError
@@ -95,6 +96,30 @@ def test_prefiller_header_set_and_client_value_replaced() -> None:
     store = director.store
     assert store.prefill_tokens[store.by_address["10.0.0.1:8000"].id] == pytest.approx(2700 / 4)
     assert store.prefill_tokens[store.by_address[headers["x-gateway-destination-endpoint"]].id] == 0
+
+
+@pytest.mark.parametrize("first_byte", [True, False])
+def test_a_disaggregated_request_is_in_flight_at_its_prefill_endpoint_until_the_first_byte(
+    first_byte: bool,
+) -> None:
+    director = make_director(PD_CONFIG, store=make_store(4, labels=ROLES))
+    store = director.store
+    body = json.dumps({"model": "m", "prompt": "document " * 300}).encode()
+    stream = RequestStream(director)
+    out = run(stream, headers_message(), body_message(body))
+    mutation = out[0].request_headers.response.header_mutation
+    headers = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    prefill = store.by_address[headers["x-prefiller-host-port"]].id
+    decode = store.by_address[headers["x-gateway-destination-endpoint"]].id
+    assert (store.in_flight[prefill], store.in_flight[decode]) == (1, 1)
+    # The prompt's tokens count where decode steps will read them.
+    assert (store.in_flight_tokens[prefill], store.in_flight_tokens[decode]) == (0.0, 2700 / 4)
+    if first_byte:  # the prefill leg is over; the decode endpoint still holds the request
+        run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{")))
+        assert (store.in_flight[prefill], store.in_flight[decode]) == (0, 1)
+    stream.close()  # the response ended, or the client went away before any byte
+    assert sum(store.in_flight) == 0 and sum(store.in_flight_tokens) == 0.0
+    assert sum(store.prefill_requests) == 0
 
 
 ADMISSION = {
