@@ -41,15 +41,17 @@ TOKEN_AWARE = Policy(
 
 
 def _replay_recording(
-    simulator: ClusterSimulator,
-) -> tuple[SimulationResult, list[tuple[list[float], list[int]]]]:
-    """Run, keeping the store's queued prefills as each pick saw them."""
+    simulator: ClusterSimulator, fields: tuple[str, str] = ("prefill_tokens", "prefill_requests")
+) -> tuple[SimulationResult, list[tuple[list[Any], list[Any]]]]:
+    """Run, keeping two of the store's per-endpoint lists (by default its queued prefills) as
+    each pick saw them."""
     store = simulator.store
-    seen: list[tuple[list[float], list[int]]] = []
+    first, second = fields
+    seen: list[tuple[list[Any], list[Any]]] = []
     schedule = simulator.scheduler.schedule
 
     def recording(request: LLMRequest, candidates: Any, *args: Any) -> Any:
-        seen.append((list(store.prefill_tokens), list(store.prefill_requests)))
+        seen.append((list(getattr(store, first)), list(getattr(store, second))))
         return schedule(request, candidates, *args)
 
     simulator.scheduler.schedule = recording  # type: ignore[method-assign]
@@ -128,16 +130,8 @@ def test_under_pd_the_prefill_endpoint_counts_the_request_in_flight_until_its_fi
         endpoints=(EndpointSetup("prefill"), EndpointSetup("decode")),
     )
     simulator = _simulator(trace, config, pd_variant(TOKEN_AWARE))
+    result, seen = _replay_recording(simulator, ("in_flight", "in_flight_tokens"))
     store = simulator.store
-    seen: list[tuple[list[int], list[float]]] = []
-    schedule = simulator.scheduler.schedule
-
-    def recording(request: LLMRequest, candidates: Any, *args: Any) -> Any:
-        seen.append((list(store.in_flight), list(store.in_flight_tokens)))
-        return schedule(request, candidates, *args)
-
-    simulator.scheduler.schedule = recording  # type: ignore[method-assign]
-    result = simulator.run()
     assert [o.prefill_endpoint for o in result.outcomes] == [0, 0, 0]
     assert [o.status for o in result.outcomes] == [OK, OK, OK]
     # The first request, at both endpoints; its prompt tokens where they will be decoded.
