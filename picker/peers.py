@@ -207,11 +207,11 @@ class PeerSync:
         """A request was routed: in flight at ``destination`` (and at ``prefill``), prefill
         queued at ``prefill`` (or the destination), and the plugins' pick records."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
-        prefill_address = prefill.address if prefill is not None else None
-        _add(self.local, *_prefill_delta(destination.address, prefill_address, prefill_tokens,
-                                         pairs))  # fmt: skip
-        self._send([PICK, destination.address, prefill_address, prompt_tokens, prefill_tokens,
-                    pairs, records])  # fmt: skip
+        target = prefill or destination
+        _add(self.local, target.address, *_prefill_delta(prefill is not None, prefill_tokens,
+                                                          pairs))  # fmt: skip
+        self._send([PICK, destination.address, prefill.address if prefill is not None else None,
+                    prompt_tokens, prefill_tokens, pairs, records])  # fmt: skip
 
     def took(self, destination: Endpoint) -> None:
         """A request without a body was routed to ``destination``."""
@@ -359,8 +359,8 @@ class PeerSync:
             prompt_tokens, prefill_tokens, pairs = _numbers(message[3:6])
             records = [(_name(name), _ints(keys)) for name, keys in message[6]]
             self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
-            address, *delta = _prefill_delta(destination, prefill, prefill_tokens, pairs)
-            self._apply(peer, address, delta)
+            delta = _prefill_delta(prefill is not None, prefill_tokens, pairs)
+            self._apply(peer, prefill or destination, delta)
             by_address = self.store.by_address
             ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
             if ids and records:
@@ -467,15 +467,11 @@ def _numbers(values: object, length: int | None = None) -> list[float]:
     return out
 
 
-def _prefill_delta(
-    destination: str, prefill: str | None, prefill_tokens: float, pairs: float
-) -> tuple[str, float, float, float, float, float]:
-    """A pick's change (address first) where its prompt is computed: the queued prefill work,
-    and at a separate prefill endpoint the request in flight (its prompt tokens count in flight
-    at the destination only, as the director counts them)."""
-    if prefill is None:
-        return destination, 0, 0, prefill_tokens, 1, pairs
-    return prefill, 1, 0, prefill_tokens, 1, pairs
+def _prefill_delta(separate: bool, tokens: float, pairs: float) -> list[float]:
+    """A pick's change where its prompt is computed: the queued prefill work, and at a
+    ``separate`` prefill endpoint the request in flight (its prompt tokens count in flight at
+    the destination only, as the director counts them)."""
+    return [1 if separate else 0, 0, tokens, 1, pairs]
 
 
 def _prefilled_delta(tokens: float, pairs: float, separate: bool) -> list[float]:
