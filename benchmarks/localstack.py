@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,12 +46,47 @@ REQUEST_START_VALUE = "t=%START_TIME(%s%6f)%"
 ACCESS_LOG_FORMAT = "%RESPONSE_CODE% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%\n"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives the local end of outgoing connections (Linux's default when
+    it does not say)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_EPHEMERAL = _ephemeral_range()
+_PORT_RNG = random.Random()  # seeded from the OS: concurrent runs pick different ports
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A port that was free on 127.0.0.1 a moment ago, outside the kernel's ephemeral range.
+
+    A process started again on its port (a picker restarted behind Envoy, a recycled worker)
+    binds it a second time; a port from the ephemeral range may meanwhile have become the local
+    end of some outgoing connection (a scrape, a client), and the bind fails with "address
+    already in use". Ports outside that range are only ever taken by an explicit bind. Each
+    port is handed out once per process.
+    """
+    low, high = _EPHEMERAL
+    choices = range(10000, low) if low > 12000 else range(high + 1, 65536)
+    for _ in range(200):
+        port = _PORT_RNG.choice(choices)
+        if port in _ISSUED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ISSUED.add(port)
         return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range
+        sock.bind(("127.0.0.1", 0))
+        fallback: int = sock.getsockname()[1]
+        return fallback
 
 
 def envoy_binary() -> str:
