@@ -220,6 +220,25 @@ def test_mixed_documents_share_nothing_but_their_instruction() -> None:
     assert chat_ids.isdisjoint(i for r in documents for i in r.hash_ids)
 
 
+def test_mixed_documents_and_chat_share_the_whole_span() -> None:
+    # The matrix's draw (600 requests): documents arrive throughout, not in a burst before a
+    # chat-only tail, so the cell's offered load holds over the whole trace.
+    spec = FAMILIES["mixed"].spec(1)
+    trace = dataclasses.replace(spec, requests=600).build()
+    end_s = trace.requests[-1].arrival_s
+    documents = [r.arrival_s for r in trace.requests if r.session is None]
+    chats = [r for r in trace.requests if r.session is not None]
+    for half in (0, 1):
+        lo, hi = half * end_s / 2, (half + 1) * end_s / 2
+        share = sum(lo <= t <= hi for t in documents) / len(documents)
+        assert 0.3 < share < 0.7
+    # Sessions are under way at time 0: an early turn can carry its session's earlier turns.
+    early = [r for r in chats if r.arrival_s < end_s / 10]
+    first_turn_tokens = spec.system_tokens * 1.25 + spec.user_tokens * 1.25 + 1
+    assert any(r.input_tokens > first_turn_tokens for r in early)
+    assert len({r.session for r in chats}) < len(chats)  # and sessions still have several turns
+
+
 def test_lora_adapters_are_named_and_never_share_blocks() -> None:
     trace = FAMILIES["lora"].build(5, adapters=12, base_share=0.2, prefix_tokens=400)
     by_adapter: dict[str | None, set[int]] = defaultdict(set)
