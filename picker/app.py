@@ -318,8 +318,11 @@ class PickerApp:
             log.info("not serving; stopping in %.1f s", delay_s)
             await asyncio.sleep(delay_s)
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting streams, let open ones finish (up to ``grace_s``), stop tasks."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting streams, let open ones finish (up to ``grace_s``; by default the
+        config's ``server.drainTimeout``), cancel the rest, stop tasks."""
+        if grace_s is None:
+            grace_s = self.config.server.drain_timeout_s
         self.draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()

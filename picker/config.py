@@ -8,6 +8,7 @@ sections:
 apiVersion: kv-picker.io/v1alpha1        # or llm-d.ai/v1alpha1, inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 server: {grpcPort: 9002, metricsPort: 9090, host: 0.0.0.0, maxBodyBytes: 8388608, shutdownDelay: 0s,
+         drainTimeout: 5s,
          tls: {certPath: ..., keyPath: ..., clientCAPath: ...},   # clientCAPath: mutual TLS
          admin: {host: 127.0.0.1, port: 9004, tls: {...}}}       # kvpicker.v1.Admin
 endpoints:                               # static discovery
@@ -201,6 +202,12 @@ class ServerConfig:
     # the picker stop sending before it stops taking streams; then drain.
     shutdown_delay_s: Annotated[Duration, NonNegative] = field(
         default=0.0, metadata=key("shutdownDelay")
+    )
+    # Then: refuse new streams and let open ones finish for at most this long before cancelling
+    # them. A stream lasts as long as its response, so a response still running at the end is
+    # cut: keep shutdownDelay + drainTimeout under the pod's terminationGracePeriodSeconds.
+    drain_timeout_s: Annotated[Duration, Positive] = field(
+        default=5.0, metadata=key("drainTimeout")
     )
 
 

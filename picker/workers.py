@@ -364,7 +364,7 @@ class Supervisor:
         self.stopping = True
         server = self.config.server
         if timeout_s is None:  # the workers' drain delay, their grace, and a margin
-            timeout_s = server.shutdown_delay_s + 5.0 + 10.0
+            timeout_s = server.shutdown_delay_s + server.drain_timeout_s + 10.0
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

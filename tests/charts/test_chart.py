@@ -282,6 +282,12 @@ def test_defaults_deploy_the_pool_rbac_and_the_picker(tmp_path: Path) -> None:
     kubernetes = config.discovery.kubernetes
     assert (kubernetes.namespace, kubernetes.inference_pool) == (NAMESPACE, "gw-kv-picker")
     assert (config.server.grpc_port, config.server.metrics_port) == (9002, 9090)
+    # Health checks see it leave, then it drains, all within the pod's termination grace.
+    grace_s = find(manifests, "Deployment")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    assert (config.server.shutdown_delay_s, config.server.drain_timeout_s) == (2.0, 25.0)
+    assert config.server.shutdown_delay_s + config.server.drain_timeout_s < grace_s
     # The admin API stays on loopback in the pod, and out of the Service.
     assert (config.server.admin.host, config.server.admin.port) == ("127.0.0.1", 9004)
     assert 9004 not in [p["port"] for p in service["spec"]["ports"]]

@@ -13,6 +13,8 @@ import aiohttp.web
 import grpc
 import pytest
 import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_picker.api import admin_pb2, admin_pb2_grpc
@@ -333,3 +335,52 @@ async def test_not_ready_until_discovery_has_listed_the_pool(tmp_path: Path) -> 
         assert (await health_statuses(app))["readiness"] == SERVING
     finally:
         await app.stop(grace_s=0.5)
+
+
+async def test_stop_waits_for_open_streams_up_to_the_drain_timeout(tmp_path: Path) -> None:
+    """An ext_proc stream still open when the picker stops gets ``server.drainTimeout`` to
+    finish; then it is cancelled and the picker stops."""
+    server = {"host": "127.0.0.1", "grpcPort": 0, "metricsPort": 0, "admin": {"port": 0}}
+    path = write_config(tmp_path / "c.yaml", server={**server, "drainTimeout": "400ms"})
+    app = PickerApp(load_config(path, REGISTRY), REGISTRY)
+    assert app.config.server.drain_timeout_s == 0.4
+    await app.start()
+    hold = asyncio.Event()  # the body never comes: the stream stays open until the picker ends it
+
+    async def from_envoy():  # type: ignore[no-untyped-def]
+        headers = base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+            ]
+        )
+        yield ext_pb.ProcessingRequest(
+            request_headers=ext_pb.HttpHeaders(headers=headers, end_of_stream=False)
+        )
+        await hold.wait()
+
+    stopped_after_s = -1.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+            process = channel.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=ext_pb.ProcessingRequest.SerializeToString,
+                response_deserializer=ext_pb.ProcessingResponse.FromString,
+            )
+            call = process(from_envoy())
+            await call.wait_for_connection()
+            await asyncio.sleep(0.2)  # the picker has the headers and waits for the body
+            loop = asyncio.get_running_loop()
+            started_s = loop.time()
+            await app.stop()  # no grace given: the config's drainTimeout
+            stopped_after_s = loop.time() - started_s
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in call:
+                    pass
+    finally:
+        hold.set()
+        if stopped_after_s < 0:  # failed before the stop under test
+            await app.stop(grace_s=0.5)
+    # It waited for the open stream, and not for the built-in 5 s.
+    assert 0.35 <= stopped_after_s < 3.0

@@ -167,6 +167,8 @@ def test_durations() -> None:
         ({"metrics": {"scraper": "thread"}}, ["metrics.scraper"]),
         ({"server": {"shutdownDelay": "soon"}}, ["server.shutdownDelay"]),
         ({"server": {"shutdownDelay": "-1s"}}, ["server.shutdownDelay"]),
+        ({"server": {"drainTimeout": "0s"}}, ["server.drainTimeout"]),
+        ({"server": {"drainTimeout": "a while"}}, ["server.drainTimeout"]),
         ({"admission": {"maxPendingRequests": -1}}, ["admission.maxPendingRequests"]),
         ({"admission": {"maxPendingRequests": "many"}}, ["admission.maxPendingRequests"]),
         ({"admission": {"queueDelayTarget": "-5ms"}}, ["admission.queueDelayTarget"]),

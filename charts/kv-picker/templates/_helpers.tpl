@@ -57,7 +57,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The picker's config: the user's document with the sections the chart owns. */}}
 {{- define "kv-picker.config" -}}
 {{- $admin := dict "enabled" .Values.admin.enabled "host" "127.0.0.1" "port" (int .Values.admin.port) -}}
-{{- $server := dict "host" "0.0.0.0" "grpcPort" (int .Values.grpc.port) "metricsPort" (int .Values.metrics.port) "admin" $admin "shutdownDelay" .Values.shutdownDelay -}}
+{{- $server := dict "host" "0.0.0.0" "grpcPort" (int .Values.grpc.port) "metricsPort" (int .Values.metrics.port) "admin" $admin "shutdownDelay" .Values.shutdownDelay "drainTimeout" .Values.drainTimeout -}}
 {{- if .Values.tls.enabled -}}
 {{- $tls := dict "certPath" "/etc/kv-picker/tls/tls.crt" "keyPath" "/etc/kv-picker/tls/tls.key" -}}
 {{- if .Values.tls.clientCA.enabled -}}
