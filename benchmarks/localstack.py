@@ -863,6 +863,9 @@ class LocalStack:
             "admin": {"host": "127.0.0.1", "port": self.picker_admin_port},
             # FailOpen: Envoy health-checks the picker every second; a SIGTERM lets it notice.
             **({"shutdownDelay": "1500ms"} if self.failure_mode == "FailOpen" else {}),
+            # A stopping picker lets open responses finish: on a loaded 2-core machine a stream
+            # of the fault suite's can outlast the built-in 5 s.
+            "drainTimeout": "20s",
             **config.get("server", {}),
         }
         if self.discovery is not None:

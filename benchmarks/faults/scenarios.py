@@ -190,7 +190,7 @@ def picker_kill(sizes: Sizes) -> ScenarioResult:
         drain = TrafficThread(local.url, long_streams(), 8, total=8, timeout_s=30.0).start()
         probes.wait_for(lambda: probes.in_flight(probes.read_picker(port)) >= 8, 5.0)
         term_s = time.monotonic()
-        exit_code = _picker(local).kill(signal.SIGTERM, timeout_s=15.0)
+        exit_code = _picker(local).kill(signal.SIGTERM, timeout_s=30.0)  # drainTimeout 20 s
         exit_s = time.monotonic() - term_s
         drain.wait(30.0)
         streams = drain.stop()
