@@ -208,8 +208,8 @@ class PeerSync:
         queued at ``prefill`` (or the destination), and the plugins' pick records."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
         target = prefill or destination
-        _add(self.local, target.address, *_prefill_delta(prefill is not None, prefill_tokens,
-                                                          pairs))  # fmt: skip
+        _add(self.local, target.address,
+             *_prefill_delta(prefill_tokens, pairs, prefill is not None))  # fmt: skip
         self._send([PICK, destination.address, prefill.address if prefill is not None else None,
                     prompt_tokens, prefill_tokens, pairs, records])  # fmt: skip
 
@@ -359,7 +359,7 @@ class PeerSync:
             prompt_tokens, prefill_tokens, pairs = _numbers(message[3:6])
             records = [(_name(name), _ints(keys)) for name, keys in message[6]]
             self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
-            delta = _prefill_delta(prefill is not None, prefill_tokens, pairs)
+            delta = _prefill_delta(prefill_tokens, pairs, prefill is not None)
             self._apply(peer, prefill or destination, delta)
             by_address = self.store.by_address
             ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
@@ -467,7 +467,7 @@ def _numbers(values: object, length: int | None = None) -> list[float]:
     return out
 
 
-def _prefill_delta(separate: bool, tokens: float, pairs: float) -> list[float]:
+def _prefill_delta(tokens: float, pairs: float, separate: bool) -> list[float]:
     """A pick's change where its prompt is computed: the queued prefill work, and at a
     ``separate`` prefill endpoint the request in flight (its prompt tokens count in flight at
     the destination only, as the director counts them)."""
@@ -476,7 +476,7 @@ def _prefill_delta(separate: bool, tokens: float, pairs: float) -> list[float]:
 
 def _prefilled_delta(tokens: float, pairs: float, separate: bool) -> list[float]:
     """The reverse of :func:`_prefill_delta` once the prompt is processed."""
-    return [-1 if separate else 0, 0, -tokens, -1, -pairs]
+    return [-value for value in _prefill_delta(tokens, pairs, separate)]
 
 
 def _bool(value: object) -> bool:

@@ -7,8 +7,8 @@ picker itself, so it moves on every pick, not on every scrape; under P/D a reque
 prefill endpoint too, until its first byte), or their prompt tokens (the KV their decode steps
 read: at the decode endpoint only) with ``unit: tokens``, divided by the endpoint's relative
 decode speed when ``perHardware`` (an A100 decodes 0.61 as fast as an H100, so 6 requests there
-weigh like 10 on an H100), and ``max_n`` the largest among the candidates: ``n <= idleThreshold`` -> 1.0, else
-``1 - n / max(max_n, fullScale)``. Relative to the busiest candidate rather than min-max,
+weigh like 10 on an H100), and ``max_n`` the largest among the candidates:
+``n <= idleThreshold`` -> 1.0, else ``1 - n / max(max_n, fullScale)``. Relative to the busiest candidate rather than min-max,
 so one request more than a neighbour costs a little, not everything; and with ``fullScale``, a
 difference counts in full only once the busiest candidate holds that much, so on a lightly
 loaded pool a few requests in flight do not outweigh a cache hit.
