@@ -83,6 +83,7 @@ class PredictedLatencyParams:
     charsPerToken: Annotated[float, Positive] = 4.0
     maxNumSeqs: Annotated[int, NonNegative] = 0
     outputTokens: Annotated[float, NonNegative] = 256.0
+    remotePrefillTokens: Annotated[int, NonNegative] = 0
 
 
 class PredictedLatencyScorer:
@@ -108,14 +109,20 @@ class PredictedLatencyScorer:
         total = prompt_tokens(request, params.charsPerToken)
         cached = min(cached_tokens(request, i), total)
         uncached = total - cached
-        token_s, pair_s = self._token_s, self._pair_s
-        own_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
-        queued_s = store.prefill_tokens[i] * token_s + store.prefill_pairs[i] * pair_s
-        compute_s = (own_s + queued_s) / hardware.prefill_speed
-        steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
         step_s = (params.stepSeconds + store.in_flight_tokens[i] * self._read_s) / (
             hardware.decode_speed
         )
+        remote = params.remotePrefillTokens
+        if remote and uncached >= remote:
+            # A prefill endpoint computes the prompt; this one loads its KV and decodes.
+            own_s = 0.0
+            steps = 1
+        else:
+            token_s, pair_s = self._token_s, self._pair_s
+            own_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
+            queued_s = store.prefill_tokens[i] * token_s + store.prefill_pairs[i] * pair_s
+            own_s = (own_s + queued_s) / hardware.prefill_speed
+            steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
         unknown_waiting = max(0.0, store.waiting[i] - store.prefill_requests[i])
         other_s = unknown_waiting * params.queuedRequestSeconds / hardware.prefill_speed
         slot_s = 0.0
@@ -124,13 +131,7 @@ class PredictedLatencyScorer:
             if excess > 0:
                 life_s = store.request_s[i] or params.outputTokens * step_s
                 slot_s = excess * life_s / params.maxNumSeqs
-        return (
-            compute_s
-            + steps * step_s
-            + other_s
-            + slot_s
-            + params.transferSecondsPerToken * uncached
-        )
+        return own_s + steps * step_s + other_s + slot_s + params.transferSecondsPerToken * uncached
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
