@@ -58,20 +58,6 @@ _DEFAULT_REFS = [
     dict(r) for r in DEFAULT_PROFILE["plugins"] if r["pluginRef"] != "max-score-picker"
 ]
 
-# The decode profile's latency estimate: a request the handler disaggregates costs a decode
-# endpoint its KV load and steps, not its prefill.
-_DECODE_LATENCY = "decode-latency"
-_DECODE_REFS = [
-    {**r, "pluginRef": _DECODE_LATENCY} if r["pluginRef"] == "predicted-latency-scorer" else r
-    for r in _DEFAULT_REFS
-]
-
-
-def _decode_latency(threshold: int) -> dict[str, Any]:
-    (latency,) = (p for p in _DEFAULT if p["type"] == "predicted-latency-scorer")
-    parameters = {**latency.get("parameters", {}), "remotePrefillTokens": max(1, threshold)}
-    return {"type": "predicted-latency-scorer", "name": _DECODE_LATENCY, "parameters": parameters}
-
 
 def policies(threshold: int) -> dict[str, dict[str, Any]]:
     """The four configs, by name."""
@@ -96,13 +82,12 @@ def policies(threshold: int) -> dict[str, dict[str, Any]]:
         "pd": {
             "plugins": [
                 *_DEFAULT,
-                _decode_latency(threshold),
                 {"type": "decode-filter"},
                 {"type": "prefill-filter"},
                 {"type": "pd-profile-handler", "parameters": {"nonCachedTokens": threshold}},
             ],
             "schedulingProfiles": [
-                {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}, *_DECODE_REFS]},
+                {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}, *_DEFAULT_REFS]},
                 {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}, *_DEFAULT_REFS]},
             ],
         },

@@ -30,6 +30,20 @@ lasts (a moving average from the pick to the response's end over the last twenty
 requests: a 100,000-token prompt ahead in the queue delays a new one far more than a
 1,000-token one, and a long context costs more than its length (attention).
 
+``remotePrefillTokens`` is for the decode profile of a P/D configuration, set to the
+``pd-profile-handler``'s ``nonCachedTokens``. A request with at least that many tokens uncached
+on ``e`` is prefilled on a prefill endpoint and its KV sent to ``e``, so there it costs no
+prefill work and no queued prefill ahead of it:
+
+```
+ttft(e)       = step_s + other_s + slot_s  (+ transferSecondsPerToken * n)
+```
+
+Without it, the decode profile counts the uncached prompt as prefill on the decode endpoint and
+keeps each context's decode on the endpoint holding it. The built-in P/D configurations of the
+benchmarks do not set it: on the routing matrix's tuning families it passes more P/D cells per
+draw and one fewer pooled over three draws (``benchmarks/RESULTS.md`` §1).
+
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
 term, requests whose prompts are cached look free while they wait for a slot (their prefill is
@@ -53,7 +67,8 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 ``chunkTokens`` (8192: vLLM's ``max_num_batched_tokens``), ``queuedRequestSeconds`` (0.1),
 ``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0), ``maxNumSeqs`` (0:
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
-``outputTokens`` (256: the output length the slot term assumes until requests have ended).
+``outputTokens`` (256: the output length the slot term assumes until requests have ended),
+``remotePrefillTokens`` (0: the endpoint prefills every prompt itself).
 """
 
 from __future__ import annotations

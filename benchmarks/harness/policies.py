@@ -114,7 +114,6 @@ class SGLangCacheAwareParams:
 
 
 _SGLANG_KEYS = "sglang.keys"
-PREDICTED_LATENCY = "predicted-latency-scorer"
 
 
 class SGLangCacheAwarePicker:
@@ -480,10 +479,7 @@ def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
     (``decode-<name>``, ``prefill-<name>``) behind their role filter, so stateful pickers keep
     separate state per side, as peer routers keep separate prefill and decode policies. The
     handler disaggregates when at least ``non_cached_tokens`` prompt tokens are not cached on
-    the chosen decode endpoint (as the decode profile's prefix scorer sees it). The decode
-    copy of a ``predicted-latency-scorer`` gets ``remotePrefillTokens`` set to that threshold
-    (unless the policy sets it): a request it would disaggregate costs a decode endpoint the
-    KV load and its steps, not the prefill.
+    the chosen decode endpoint (as the decode profile's prefix scorer sees it).
     """
     document = dict(policy.document)
     plugins = [dict(p) for p in document.get("plugins", DEFAULT_PLUGINS)]
@@ -500,13 +496,7 @@ def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
     profiles_out = []
     for side, role_filter in (("decode", "decode-filter"), ("prefill", "prefill-filter")):
         for plugin in plugins:
-            copy = {**plugin, "name": f"{side}-{plugin.get('name') or plugin['type']}"}
-            if side == "decode" and plugin["type"] == PREDICTED_LATENCY:
-                copy["parameters"] = {
-                    "remotePrefillTokens": max(1, non_cached_tokens),
-                    **plugin.get("parameters", {}),
-                }
-            copies.append(copy)
+            copies.append({**plugin, "name": f"{side}-{plugin.get('name') or plugin['type']}"})
         side_refs = [{**ref, "pluginRef": f"{side}-{ref['pluginRef']}"} for ref in refs]
         profiles_out.append({"name": side, "plugins": [{"pluginRef": role_filter}, *side_refs]})
     copies += [

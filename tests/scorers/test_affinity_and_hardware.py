@@ -155,6 +155,42 @@ def test_predicted_latency_attention_steps_and_decode_pressure() -> None:
     assert scorer.predict_ttft_s(short, second) == pytest.approx(0.625 + 2 * 0.06)
 
 
+def test_predicted_latency_remote_prefill_costs_a_decode_endpoint_its_steps_only() -> None:
+    # The decode profile of a P/D configuration: a prompt with at least remotePrefillTokens
+    # uncached tokens is prefilled on a prefill endpoint, so at a decode endpoint it costs the
+    # KV transfer and the decode steps (slowed by the KV already in flight there), not a prefill.
+    store = make_store(2)
+    holder, other = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=1_000_000,
+        transferSecondsPerToken=1e-6,
+        remotePrefillTokens=1_024,
+    )
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    request = make_request("x" * 4 * 20_000)  # 20,000 tokens
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 1250, {holder.id: 1250})  # all cached there
+    store.add_prefill(other.id, 50_000)  # prefill work counted here does not delay a decode leg
+    store.in_flight_tokens[holder.id] = 100_000  # 100 ms more per step: a busy decoder
+    assert scorer.predict_ttft_s(request, other) == pytest.approx(0.01 + 20_000 * 1e-6)
+    assert scorer.predict_ttft_s(request, holder) == pytest.approx(0.11)
+    assert scores(scorer, store, request) == pytest.approx([0.03 / 0.11, 1.0])
+    # Without it, the uncached prompt is prefill on the endpoint: the holder wins by far.
+    local = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, remotePrefillTokens=0), make_context(store)
+    )
+    assert scorer.predict_ttft_s(request, other) < 0.05 < local.predict_ttft_s(request, other)
+    assert scores(local, store, request)[0] == 1.0
+    # Below the threshold the handler keeps the request aggregated: the endpoint prefills it.
+    short = make_request("x" * 4 * 1_000)  # 1,000 uncached tokens < 1,024
+    assert scorer.predict_ttft_s(short, holder) == pytest.approx(
+        local.predict_ttft_s(short, holder)
+    )
+    assert scorer.predict_ttft_s(short, holder) > 0.1 + 0.11
+
+
 def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
     store = make_store(2)
     full, free = store.all()
