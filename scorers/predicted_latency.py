@@ -134,9 +134,9 @@ class PredictedLatencyScorer:
             steps = 1
         else:
             token_s, pair_s = self._token_s, self._pair_s
-            own_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
+            work_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
             queued_s = store.prefill_tokens[i] * token_s + store.prefill_pairs[i] * pair_s
-            own_s = (own_s + queued_s) / hardware.prefill_speed
+            own_s = (work_s + queued_s) / hardware.prefill_speed
             steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
         unknown_waiting = max(0.0, store.waiting[i] - store.prefill_requests[i])
         other_s = unknown_waiting * params.queuedRequestSeconds / hardware.prefill_speed
