@@ -197,6 +197,25 @@ def test_durations() -> None:
             },
             ["plugins[0]", "outputTokens"],
         ),
+        (
+            {
+                "plugins": [
+                    {"type": "predicted-latency-scorer", "parameters": {"remotePrefillTokens": -1}}
+                ]
+            },
+            ["plugins[0]", "remotePrefillTokens"],
+        ),
+        (
+            {
+                "plugins": [
+                    {
+                        "type": "predicted-latency-scorer",
+                        "parameters": {"remotePrefillTokens": "all"},
+                    }
+                ]
+            },
+            ["plugins[0]", "remotePrefillTokens", "integer"],
+        ),
         (  # a parameter the scorer does not read is refused, not silently ignored
             {"plugins": [{"type": "predicted-latency-scorer", "parameters": {"ratioSpan": 2}}]},
             ["plugins[0]", "unknown field", "ratioSpan"],
