@@ -188,6 +188,13 @@ class PickerMetrics:
             ENDPOINT_LABELS,
             registry=r,
         )
+        self.endpoint_recent_prefill_tokens = Gauge(
+            "kv_picker_endpoint_recent_prefill_tokens",
+            "Uncached prompt tokens routed here to be computed, each request's decayed by "
+            "exp(-age / 30 s): the recent work recent-work-scorer reads, at the last scrape.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
         self.endpoint_request_seconds = Gauge(
             "kv_picker_endpoint_request_seconds",
             "How long a request on the endpoint lasts, pick to response end: the moving average "
@@ -310,6 +317,7 @@ class PickerMetrics:
             self.endpoint_kv_usage,
             self.endpoint_in_flight,
             self.endpoint_queued_prefill_tokens,
+            self.endpoint_recent_prefill_tokens,
             self.endpoint_request_seconds,
             self.scrape_errors,
         ):

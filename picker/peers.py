@@ -362,6 +362,10 @@ class PeerSync:
             delta = _prefill_delta(prefill_tokens, pairs, prefill is not None)
             self._apply(peer, prefill or destination, delta)
             by_address = self.store.by_address
+            target = by_address.get(prefill or destination)
+            if target is not None:
+                # Decayed, not a total: a restarted worker's share fades rather than reconciles.
+                self.store.add_recent_prefill(target.id, prefill_tokens, pairs)
             ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
             if ids and records:
                 self.records(records, ids)

@@ -12,6 +12,7 @@ from kv_picker.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
 from kv_picker.scorers.prefix_cache import PrefixCacheScorer
 from kv_picker.scorers.queue import QueueScorer
+from kv_picker.scorers.recent_work import RecentWorkScorer
 from kv_picker.scorers.session_affinity import SessionAffinityScorer
 
 BUILTIN_SCORERS = (
@@ -25,6 +26,7 @@ BUILTIN_SCORERS = (
     PredictedLatencyScorer,
     LoraAffinityScorer,
     SessionAffinityScorer,
+    RecentWorkScorer,
 )
 
 __all__ = [
@@ -38,5 +40,6 @@ __all__ = [
     "PredictedLatencyScorer",
     "PrefixCacheScorer",
     "QueueScorer",
+    "RecentWorkScorer",
     "SessionAffinityScorer",
 ]

@@ -264,6 +264,9 @@ class MetricsScraper:
         self.metrics.endpoint_queued_prefill_tokens.labels(address).set(
             self.store.prefill_tokens[endpoint.id]
         )
+        self.metrics.endpoint_recent_prefill_tokens.labels(address).set(
+            self.store.recent_prefill(endpoint.id)[0]
+        )
         self.metrics.endpoint_request_seconds.labels(address).set(self.store.request_s[endpoint.id])
 
 

@@ -20,6 +20,9 @@ prefill_pairs: 2.6e7  0.0       0.0        their attention work: sum of n * (c +
                                             requests (n uncached tokens after c cached ones)
 in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
                                             decode steps read; a prefill endpoint's: none)
+recent_tokens: 31000.0 0.0      0.0        uncached prompt tokens sent here to be computed, each
+                                            decayed by exp(-age / 30 s) (read with recent_prefill)
+recent_pairs:  4.1e8  0.0       0.0        their attention work, decayed the same way
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```
@@ -27,6 +30,7 @@ ready:     True       True       False      last scrape succeeded
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +65,9 @@ class Subscription:
                     break
 
 
+RECENT_WORK_TIME_CONSTANT_S = 30.0
+"""Time constant of :attr:`EndpointStore.recent_tokens`: work sent a minute ago counts 0.14."""
+
 REQUEST_AVERAGE_WEIGHT = 0.05
 """Weight of the newest request in :attr:`EndpointStore.request_s` (about the last 20)."""
 
@@ -87,6 +94,10 @@ class EndpointStore:
         self.prefill_requests: list[int] = []
         self.prefill_pairs: list[float] = []
         self.in_flight_tokens: list[float] = []
+        # Prefill work sent here lately, decayed (see recent_prefill) as of recent_s.
+        self.recent_tokens: list[float] = []
+        self.recent_pairs: list[float] = []
+        self.recent_s: list[float] = []
         # Seconds from the pick to the end of the response, a moving average over the requests
         # this picker saw answered by the endpoint (0: none yet): how long a request holds one
         # of the engine's sequence slots, at most.
@@ -174,6 +185,9 @@ class EndpointStore:
             self.prefill_requests.append(0)
             self.prefill_pairs.append(0.0)
             self.in_flight_tokens.append(0.0)
+            self.recent_tokens.append(0.0)
+            self.recent_pairs.append(0.0)
+            self.recent_s.append(0.0)
             self.request_s.append(0.0)
             self.ready.append(False)
             self.block_size_tokens.append(0)
@@ -191,6 +205,9 @@ class EndpointStore:
         self.prefill_requests[endpoint_id] = 0
         self.prefill_pairs[endpoint_id] = 0.0
         self.in_flight_tokens[endpoint_id] = 0.0
+        self.recent_tokens[endpoint_id] = 0.0
+        self.recent_pairs[endpoint_id] = 0.0
+        self.recent_s[endpoint_id] = 0.0
         self.request_s[endpoint_id] = 0.0
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
@@ -251,6 +268,29 @@ class EndpointStore:
         self.prefill_tokens[endpoint_id] += tokens
         self.prefill_requests[endpoint_id] += 1
         self.prefill_pairs[endpoint_id] += pairs
+        self.add_recent_prefill(endpoint_id, tokens, pairs)
+
+    def add_recent_prefill(self, endpoint_id: EndpointId, tokens: float, pairs: float) -> None:
+        """Count prefill work sent to an endpoint in its recent work only (another worker's
+        pick: its queued work arrives through the workers' exchange, see ``peers``)."""
+        keep = self._recent_keep(endpoint_id)
+        self.recent_tokens[endpoint_id] = self.recent_tokens[endpoint_id] * keep + tokens
+        self.recent_pairs[endpoint_id] = self.recent_pairs[endpoint_id] * keep + pairs
+        self.recent_s[endpoint_id] = self._clock()
+
+    def recent_prefill(self, endpoint_id: EndpointId) -> tuple[float, float]:
+        """The uncached tokens and attention work sent to an endpoint for prefill, each pick's
+        decayed by ``exp(-age / RECENT_WORK_TIME_CONSTANT_S)``: the rate of work its contexts
+        bring lately, about 30 s of it. Unlike the queued work it stays after the prefill ends,
+        so it tells an endpoint whose sessions will come back from one that is idle."""
+        keep = self._recent_keep(endpoint_id)
+        return self.recent_tokens[endpoint_id] * keep, self.recent_pairs[endpoint_id] * keep
+
+    def _recent_keep(self, endpoint_id: EndpointId) -> float:
+        if not self.recent_tokens[endpoint_id] and not self.recent_pairs[endpoint_id]:
+            return 0.0
+        age = max(0.0, self._clock() - self.recent_s[endpoint_id])
+        return math.exp(-age / RECENT_WORK_TIME_CONSTANT_S)
 
     def prefill_done(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
         """That request's prefill finished (first response byte, or the request ended)."""

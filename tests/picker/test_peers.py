@@ -137,6 +137,21 @@ async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> Non
     assert b.counts(ADDRESSES[0]) == (1, 10.0, 10.0, 1, 5.0)
 
 
+async def test_a_peers_pick_adds_recent_work_where_the_prompt_is_computed(tmp_path: Path) -> None:
+    b = Worker(tmp_path, 1, 2, ADDRESSES)
+    disaggregated = [PICK, ADDRESSES[0], ADDRESSES[1], 900.0, 600.0, 1e5, []]
+    b.sync.apply(frame(0, 111, disaggregated, pick(ADDRESSES[2], 40.0, 7.0)))
+    recent = b.store.recent_prefill
+    assert recent(b.endpoint(ADDRESSES[1]).id) == pytest.approx((600.0, 1e5), rel=1e-3)
+    assert recent(b.endpoint(ADDRESSES[2]).id) == pytest.approx((40.0, 7.0), rel=1e-3)
+    assert recent(b.endpoint(ADDRESSES[0]).id) == (0.0, 0.0)  # decoded there, not computed
+    # The prefill ending, or a snapshot reconciling the totals, leaves the recent work.
+    b.sync.apply(frame(0, 111, [PREFILLED, ADDRESSES[1], 600.0, 1e5, True]))
+    b.sync.reconcile()
+    assert b.counts(ADDRESSES[1])[2] == 0.0
+    assert recent(b.endpoint(ADDRESSES[1]).id)[0] == pytest.approx(600.0, rel=1e-3)
+
+
 async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
     b = Worker(tmp_path, 1, 2, ADDRESSES)
     b.sync.apply(frame(0, 7, pick(ADDRESSES[0])))

@@ -113,6 +113,7 @@ async def test_the_child_scrapes_into_the_store_and_follows_the_endpoint_set(
     task = asyncio.create_task(scraper.run())
     try:
         store.request_done(good.id, 2.5)  # the picker's own measure, exported at each scrape
+        store.add_recent_prefill(good.id, 4096.0, 0.0)
         await wait_for(lambda: store.ready[good.id], "the good endpoint scraped")
         await wait_for(
             lambda: (
@@ -123,6 +124,10 @@ async def test_the_child_scrapes_into_the_store_and_follows_the_endpoint_set(
             ),
             "the request duration exported",
         )
+        recent = metrics.registry.get_sample_value(
+            "kv_picker_endpoint_recent_prefill_tokens", {"endpoint": endpoints.good}
+        )
+        assert recent is not None and 4000.0 < recent <= 4096.0
         assert (store.waiting[good.id], store.running[good.id]) == (3.0, 2.0)
         assert store.kv_usage[good.id] == 0.25 and store.num_gpu_blocks[good.id] == 2048
         lora = store.lora[good.id]

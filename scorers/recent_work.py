@@ -1,0 +1,90 @@
+"""recent-work-scorer: prefer endpoints that computed less prefill lately, so new contexts
+spread over the pool instead of settling where the first ones did.
+
+Type: ``recent-work-scorer``
+
+Formula, per candidate endpoint ``e`` of hardware class ``c``:
+
+```
+T(e), P(e) = uncached prompt tokens and their attention work (n * (k + n/2) for n tokens after
+             k cached) that this picker sent to e to be computed, each pick's decayed by
+             exp(-age / 30 s)
+w(e)       = (T(e) + P(e) / attentionCrossoverTokens) / c.prefill_speed
+score(e)   = 1 - w(e) / max(max_e' w(e'), fullScale)       (1 for all when no one worked)
+```
+
+Why: sessions come back to the endpoint that holds their context, so where a new context is
+placed decides where its later turns' work goes. At light load nothing else tells endpoints
+apart: nothing is queued or in flight when a request arrives, and the prefix scorer prefers
+the endpoints that already hold a shared system prompt. New sessions then keep landing on the
+first endpoints used, and a pool can leave endpoints idle for a whole replay while the busy
+ones queue. The decayed work is the rate at which an endpoint's contexts bring it work; a
+request whose context is cached elsewhere still goes there (the prefix and latency scorers
+outweigh this one at a small weight), a request that would be computed almost from scratch
+anywhere goes where the recent work is least.
+
+Inputs: the picker's own accounting of the work it sent (from the pick; under P/D at the
+prefill endpoint), including picks of the other workers of ``kv-picker serve --workers N``;
+the endpoint's hardware-class label (no label: speed 1).
+
+Parameters (defaults): ``attentionCrossoverTokens`` (20500; the context length at which a
+token's attention costs as much as its linear layers, as in ``predicted-latency-scorer``; 0 =
+count tokens only), ``fullScale`` (0: relative to the busiest candidate), in tokens at speed 1
+over the 30-second window: with it, a difference counts in full only once the busiest
+candidate has worked that much.
+
+Not in the built-in default: on the routing matrix's tuning families, at weight 0.5 next to the
+default's scorers, it removes the worst cells (light-load ``agentic`` on P/D: 2.21x the best
+TTFT mean to 1.0x) and passes one cell fewer over three draws pooled (``benchmarks/RESULTS.md``
+section 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+from kv_picker.decode import NonNegative
+from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.context import BuildContext
+from kv_picker.scheduling.framework import LLMRequest
+
+
+@dataclass(frozen=True)
+class RecentWorkParams:
+    attentionCrossoverTokens: Annotated[float, NonNegative] = 20_500.0
+    fullScale: Annotated[float, NonNegative] = 0.0
+
+
+class RecentWorkScorer:
+    type_name: ClassVar[str] = "recent-work-scorer"
+    Params = RecentWorkParams
+
+    def __init__(self, name: str, params: RecentWorkParams, ctx: BuildContext) -> None:
+        self.name = name
+        self._store = ctx.store
+        self._hardware = ctx.hardware
+        crossover = params.attentionCrossoverTokens
+        self._pair_weight = 1.0 / crossover if crossover > 0 else 0.0
+        self._scale = params.fullScale
+        self._work: list[float] = []
+
+    def work(self, endpoint: Endpoint) -> float:
+        """``w(e)``: the endpoint's recent prefill work in tokens at speed 1."""
+        tokens, pairs = self._store.recent_prefill(endpoint.id)
+        speed = self._hardware.of(endpoint.labels).prefill_speed
+        return (tokens + pairs * self._pair_weight) / speed
+
+    def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        work = self._work
+        work.clear()
+        for endpoint in candidates:
+            work.append(self.work(endpoint))
+        span = max(max(work), self._scale)
+        if span <= 0.0:
+            for i in range(len(work)):
+                out[i] = 1.0
+            return
+        for i, w in enumerate(work):
+            out[i] = 1.0 - w / span

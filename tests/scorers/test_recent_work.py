@@ -1,0 +1,128 @@
+"""recent-work-scorer: decayed prefill work per endpoint, from the picker's own picks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_picker.decode import decode
+from kv_picker.endpoint import EndpointSpec
+from kv_picker.errors import ConfigError
+from kv_picker.scorers.recent_work import RecentWorkParams, RecentWorkScorer
+from kv_picker.state.endpoints import RECENT_WORK_TIME_CONSTANT_S
+from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
+from tests.fakes import ManualClock, make_context, make_director, make_request, make_store
+
+
+def scores(scorer: RecentWorkScorer, store: object) -> list[float]:
+    candidates = store.all()  # type: ignore[attr-defined]
+    out = [0.0] * len(candidates)
+    scorer.score(make_request(), candidates, out)
+    return out
+
+
+def test_work_decays_with_its_age_and_adds_up() -> None:
+    clock = ManualClock()
+    store = make_store(2, clock=clock)
+    store.add_recent_prefill(0, 1000.0, 2e6)
+    assert store.recent_prefill(0) == (1000.0, 2e6)
+    clock.advance(RECENT_WORK_TIME_CONSTANT_S)
+    tokens, pairs = store.recent_prefill(0)
+    assert tokens == pytest.approx(1000.0 / math.e) and pairs == pytest.approx(2e6 / math.e)
+    store.add_recent_prefill(0, 500.0, 0.0)
+    assert store.recent_prefill(0)[0] == pytest.approx(1000.0 / math.e + 500.0)
+    clock.advance(20 * RECENT_WORK_TIME_CONSTANT_S)
+    assert store.recent_prefill(0)[0] < 1e-5
+    assert store.recent_prefill(1) == (0.0, 0.0)  # never sent anything
+
+
+def test_a_queued_prefill_counts_and_stays_after_it_ends() -> None:
+    store = make_store(1)
+    store.add_prefill(0, 800.0, 3e5)
+    store.prefill_done(0, 800.0, 3e5)
+    assert store.prefill_tokens[0] == 0.0  # nothing queued any more
+    assert store.recent_prefill(0) == (800.0, 3e5)  # but the endpoint did the work
+
+
+def test_an_endpoint_id_reused_starts_with_no_work() -> None:
+    store = make_store(2)
+    store.add_recent_prefill(1, 5000.0, 0.0)
+    store.set_endpoints([EndpointSpec("10.0.0.1:8000")])
+    store.set_endpoints([EndpointSpec("10.0.0.1:8000"), EndpointSpec("10.0.0.9:8000")])
+    newcomer = store.by_address["10.0.0.9:8000"]
+    assert newcomer.id == 1  # the id was reused
+    assert store.recent_prefill(newcomer.id) == (0.0, 0.0)
+
+
+def test_scores_relative_to_the_busiest_with_attention_and_a_full_scale() -> None:
+    store = make_store(3)
+    scorer = RecentWorkScorer("w", RecentWorkParams(), make_context(store))
+    assert scores(scorer, store) == [1.0, 1.0, 1.0]  # nobody worked: no division by zero
+    store.add_recent_prefill(1, 10_000.0, 0.0)
+    store.add_recent_prefill(2, 10_000.0, 20_500.0 * 10_000.0)  # attention: as much again
+    assert scores(scorer, store) == pytest.approx([1.0, 0.5, 0.0])
+    tokens_only = RecentWorkScorer(
+        "w", RecentWorkParams(attentionCrossoverTokens=0), make_context(store)
+    )
+    assert scores(tokens_only, store) == pytest.approx([1.0, 0.0, 0.0])
+    damped = RecentWorkScorer("w", RecentWorkParams(fullScale=100_000.0), make_context(store))
+    assert scores(damped, store) == pytest.approx([1.0, 0.9, 0.8])
+
+
+def test_work_is_counted_in_the_endpoints_own_prefill_time() -> None:
+    store = make_store(2, labels=[{HARDWARE_CLASS_LABEL: "H100"}, {HARDWARE_CLASS_LABEL: "L4"}])
+    scorer = RecentWorkScorer("w", RecentWorkParams(), make_context(store))
+    store.add_recent_prefill(0, 10_000.0, 0.0)
+    store.add_recent_prefill(1, 10_000.0, 0.0)
+    # The same tokens keep an L4 busy about eight times longer than an H100.
+    h100, l4 = scores(scorer, store)
+    assert l4 == 0.0 and h100 == pytest.approx(1.0 - 0.122, abs=0.01)
+
+
+def test_new_contexts_spread_over_idle_endpoints_and_return_once_the_work_is_forgotten() -> None:
+    clock = ManualClock()
+    document = {
+        "plugins": [
+            {"type": "prefix-cache-scorer"},
+            {"type": "recent-work-scorer"},
+            {"type": "max-score-picker"},
+        ],
+    }
+    director = make_director(document, store=make_store(3, clock=clock))
+    used = []
+    for i in range(3):
+        # Each request finishes before the next arrives: nothing queued or in flight remains.
+        routed = director.route(make_request(f"document {i} " * 200, request_id=str(i)))
+        routed.first_byte()
+        routed.finish()
+        used.append(routed.endpoint.id)
+        clock.advance(1.0)
+    assert sorted(used) == [0, 1, 2]
+    assert director.store.prefill_tokens[:3] == [0.0, 0.0, 0.0]
+    # Much later the work is forgotten; a context held by one endpoint goes back there.
+    clock.advance(30 * RECENT_WORK_TIME_CONSTANT_S)
+    again = director.route(make_request("document 1 " * 200, request_id="again"))
+    assert again.endpoint.id == used[1]
+
+
+def test_negative_parameters_are_config_errors_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="fullScale"):
+        decode(RecentWorkParams, {"fullScale": -1}, "parameters")
+    with pytest.raises(ConfigError, match="attentionCrossoverTokens"):
+        decode(RecentWorkParams, {"attentionCrossoverTokens": "many"}, "parameters")
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e7), min_size=1, max_size=8))
+def test_scores_are_in_unit_range_and_ordered_by_work(work: list[float]) -> None:
+    store = make_store(len(work))
+    for i, tokens in enumerate(work):
+        store.add_recent_prefill(i, tokens, 0.0)
+    out = scores(RecentWorkScorer("w", RecentWorkParams(), make_context(store)), store)
+    assert all(0.0 <= s <= 1.0 for s in out)
+    for i in range(len(work)):
+        for j in range(len(work)):
+            if work[i] < work[j]:
+                assert out[i] >= out[j]
