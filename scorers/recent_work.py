@@ -10,7 +10,8 @@ T(e), P(e) = uncached prompt tokens and their attention work (n * (k + n/2) for 
              k cached) that this picker sent to e to be computed, each pick's decayed by
              exp(-age / 30 s)
 w(e)       = (T(e) + P(e) / attentionCrossoverTokens) / c.prefill_speed
-score(e)   = 1 - w(e) / max(max_e' w(e'), fullScale)       (1 for all when no one worked)
+span       = idleShare * max(max_e' w(e'), fullScale)
+score(e)   = max(0, 1 - w(e) / span)                       (1 for all when no one worked)
 ```
 
 Why: sessions come back to the endpoint that holds their context, so where a new context is
@@ -31,11 +32,15 @@ Parameters (defaults): ``attentionCrossoverTokens`` (20500; the context length a
 token's attention costs as much as its linear layers, as in ``predicted-latency-scorer``; 0 =
 count tokens only), ``fullScale`` (0: relative to the busiest candidate), in tokens at speed 1
 over the 30-second window: with it, a difference counts in full only once the busiest
-candidate has worked that much.
+candidate has worked that much; ``idleShare`` (1): below 1, only the endpoints that did less
+than that share of the busiest one's work score above 0, so the scorer seeds endpoints left
+idle and says nothing among a pool that is busy everywhere.
 
-Not in the built-in default: on the routing matrix's tuning families, at weight 0.5 next to the
-default's scorers, it removes the worst cells (light-load ``agentic`` on P/D: 2.21x the best
-TTFT mean to 1.0x) and passes one cell fewer over three draws pooled (``benchmarks/RESULTS.md``
+Not in the built-in default (yet): on the routing matrix, at weight 0.5 with ``idleShare`` 0.25
+next to the default's scorers (``benchmarks/profiles/recent-work.yaml``), chosen on the tuning
+families, it passes 122 of 136 tuning cells and 117 of 136 held-out ones over three draws
+pooled (the default: 121 and 116) and takes the worst cell from 2.21x the best TTFT mean to
+1.87x; light-load ``agentic`` on P/D goes from 2.21x to 1.0x (``benchmarks/RESULTS.md``
 section 1).
 """
 
@@ -45,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
-from kv_picker.decode import NonNegative
+from kv_picker.decode import NonNegative, Range
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
@@ -55,6 +60,7 @@ from kv_picker.scheduling.framework import LLMRequest
 class RecentWorkParams:
     attentionCrossoverTokens: Annotated[float, NonNegative] = 20_500.0
     fullScale: Annotated[float, NonNegative] = 0.0
+    idleShare: Annotated[float, Range(gt=0, le=1)] = 1.0
 
 
 class RecentWorkScorer:
@@ -68,6 +74,7 @@ class RecentWorkScorer:
         crossover = params.attentionCrossoverTokens
         self._pair_weight = 1.0 / crossover if crossover > 0 else 0.0
         self._scale = params.fullScale
+        self._share = params.idleShare
         self._work: list[float] = []
 
     def work(self, endpoint: Endpoint) -> float:
@@ -81,10 +88,10 @@ class RecentWorkScorer:
         work.clear()
         for endpoint in candidates:
             work.append(self.work(endpoint))
-        span = max(max(work), self._scale)
+        span = max(max(work), self._scale) * self._share
         if span <= 0.0:
             for i in range(len(work)):
                 out[i] = 1.0
             return
         for i, w in enumerate(work):
-            out[i] = 1.0 - w / span
+            out[i] = max(0.0, 1.0 - w / span)

@@ -72,6 +72,22 @@ def test_scores_relative_to_the_busiest_with_attention_and_a_full_scale() -> Non
     assert scores(damped, store) == pytest.approx([1.0, 0.9, 0.8])
 
 
+def test_an_idle_share_scores_only_the_endpoints_left_idle() -> None:
+    store = make_store(4)
+    for i, tokens in enumerate([0.0, 1_000.0, 30_000.0, 40_000.0]):
+        store.add_recent_prefill(i, tokens, 0.0)
+    params = RecentWorkParams(attentionCrossoverTokens=0, idleShare=0.25)
+    seeding = RecentWorkScorer("w", params, make_context(store))
+    assert scores(seeding, store) == pytest.approx([1.0, 0.9, 0.0, 0.0])
+    # A pool busy everywhere: no endpoint did under a quarter of the busiest one's work.
+    busy = make_store(3)
+    for i, tokens in enumerate([20_000.0, 30_000.0, 40_000.0]):
+        busy.add_recent_prefill(i, tokens, 0.0)
+    assert scores(RecentWorkScorer("w", params, make_context(busy)), busy) == [0.0, 0.0, 0.0]
+    with pytest.raises(ConfigError, match="idleShare"):
+        decode(RecentWorkParams, {"idleShare": 0}, "parameters")
+
+
 def test_work_is_counted_in_the_endpoints_own_prefill_time() -> None:
     store = make_store(2, labels=[{HARDWARE_CLASS_LABEL: "H100"}, {HARDWARE_CLASS_LABEL: "L4"}])
     scorer = RecentWorkScorer("w", RecentWorkParams(), make_context(store))
