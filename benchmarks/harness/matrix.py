@@ -68,7 +68,7 @@ from kv_picker_bench.harness.floors import (
     scale_to_load,
     ttft_floors,
 )
-from kv_picker_bench.harness.paths import TRACES_ENV, find_trace, traces_dir
+from kv_picker_bench.harness.paths import TRACES_ENV, find_trace, portable_path, traces_dir
 from kv_picker_bench.harness.policies import (
     Policy,
     harness_registry,
@@ -648,6 +648,7 @@ def results_json(
     results: Sequence[CellResult],
     wall_s: float,
     draw: int = DEFAULT_FAMILY_SEED,
+    quick: bool = False,
 ) -> dict[str, Any]:
     return {
         "command": command,
@@ -656,7 +657,7 @@ def results_json(
         "conversation_window_s": list(conversation_window(draw)),
         "families": {
             name: {
-                "spec": family_spec(f, False, draw),
+                "spec": family_spec(f, quick, draw),
                 "split": f.split,
                 "long_prompts": f.long_prompts,
             }
@@ -828,6 +829,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="a stored matrix (a results folder of this command): run only the --policy "
+        "candidates on its cells and judge each as the default would be judged, against the "
+        "stored policies other than the stored default (against.md, against.json)",
+    )
     parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
     parser.add_argument("--title", default="", help="title of the Markdown report")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -853,6 +862,8 @@ def _matrix(argv: Sequence[str]) -> int:
     registry = harness_registry()
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
+    if args.against is not None:
+        return _against(args, argv, draws, families, loads, clusters, timings, policies)
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
@@ -882,7 +893,7 @@ def _matrix(argv: Sequence[str]) -> int:
         draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
         text = markdown_report(draw_title, command, results, wall_s)
         (out / "matrix.md").write_text(text, encoding="utf-8")
-        write_json(out / "matrix.json", results_json(command, results, wall_s, draw))
+        write_json(out / "matrix.json", results_json(command, results, wall_s, draw, args.quick))
         if not args.no_plots:
             plot_default_heatmap(results, out / "default_heatmap.png")
             plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
@@ -895,6 +906,66 @@ def _matrix(argv: Sequence[str]) -> int:
         (folder / "draws.md").write_text(text, encoding="utf-8")
         write_json(folder / "draws.json", draws_json(command, per_draw))
         print(text)
+    print(f"results: {folder}")
+    return EXIT_OK
+
+
+def _against(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    draws: Sequence[int],
+    families: Sequence[str],
+    loads: Sequence[float],
+    clusters: Sequence[str],
+    timings: Sequence[str],
+    policies: Sequence[Policy],
+) -> int:
+    """``--against DIR``: the candidates' runs only, judged on the stored draws."""
+    from kv_picker_bench.harness import against
+
+    if not args.policy:
+        raise UsageError("--against needs the candidates to judge: --policy NAME=FILE")
+    stored_draws = {
+        draw: against.load_stored(
+            against.stored_matrix_path(args.against, draw, len(draws)), draw, args.quick
+        )
+        for draw in draws
+    }
+    stored_names = {n for cells in stored_draws.values() for r in cells.values() for n in r.metrics}
+    names = [policy.name for policy in policies]
+    for name in names:
+        if name in stored_names:
+            raise UsageError(
+                f"--policy {name}: the stored matrix has a policy of that name; name the "
+                "candidate otherwise (NAME=FILE)"
+            )
+    folder = results_dir(args, "matrix", "against")
+    command = record_command(folder, "matrix", argv)
+    per_draw: dict[int, list[CellResult]] = {}
+    for draw, stored in stored_draws.items():
+        plan = plan_matrix(
+            families, loads, clusters, timings, policies, args.quick, _timing_overrides, draw
+        )
+        against.restrict_plan(plan, stored)
+        if not plan.cells:
+            raise UsageError(f"--against: draw {draw} has none of the cells asked for")
+        if not args.quiet:
+            print(
+                f"against draw {draw}: {len(plan.cells)} cells x {len(policies)} candidates "
+                f"({len(plan.jobs())} runs)",
+                file=sys.stderr,
+            )
+        per_draw[draw] = against.merge(stored, run_matrix(plan, args.seed, args.jobs, args.quiet))
+    judgements = [
+        j for name in [DEFAULT_POLICY, *names] for j in against.judge(per_draw, name, names)
+    ]
+    title = args.title or "Candidates judged as the default"
+    shown = portable_path(str(args.against))
+    text = against.against_report(title, command, shown, judgements, list(per_draw))
+    (folder / "against.md").write_text(text, encoding="utf-8")
+    write_json(folder / "against.json", against.against_json(command, shown, judgements,
+                                                             per_draw, names))  # fmt: skip
+    print(text)
     print(f"results: {folder}")
     return EXIT_OK
 

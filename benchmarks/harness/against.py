@@ -1,0 +1,302 @@
+"""``kv-picker bench matrix --against DIR``: judge candidate profiles as the default would be
+judged, on a stored matrix, running only the candidates.
+
+A full matrix runs every policy on every cell (minutes per draw on two cores); a candidate for
+the default only needs its own runs, compared with the stored runs of the other policies. For
+each stored draw (``DIR/matrix.json``, or ``DIR/draw-N/matrix.json`` for several draws), each
+``--policy`` is run on the stored cells and judged by the default's bar (TTFT mean and p90
+within 5% of the best, throughput within 5%, none worse than the GIE default) against the
+stored policies *other than the stored default*, alone: candidates never compete with each
+other, and each is judged exactly as it would be were it the default. The stored default is
+judged the same way, as the reference row.
+
+Figures are compared at the stored precision (six decimals). The stored matrix judged its
+default on unrounded figures, so where the default tied another policy to the microsecond its
+verdict here can differ from the stored one (on the repository's draw 2, two cells tied with
+the GIE default's TTFT p90 pass here and fail there).
+
+The traces must be the ones the stored matrix replayed: every family's generator spec (and the
+conversation window) is compared with the stored one, and a difference (another
+``--family-seed``, ``--quick``) is refused before any run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kv_picker_bench.harness.args import UsageError
+from kv_picker_bench.harness.matrix import (
+    DEFAULT_POLICY,
+    FAMILIES,
+    HELD_OUT,
+    TUNING,
+    Cell,
+    CellResult,
+    MatrixPlan,
+    cell_ratios,
+    conversation_window,
+    default_verdict,
+    family_spec,
+    pooled_results,
+)
+from kv_picker_bench.harness.report import PolicyMetrics
+from kv_picker_bench.harness.report import _clean as stored_precision
+
+
+def stored_matrix_path(folder: Path, draw: int, draws: int) -> Path:
+    """Where draw ``draw`` of a stored matrix is: ``draw-N/matrix.json``, or ``matrix.json``
+    for a single-draw folder when only one draw is asked for."""
+    nested = folder / f"draw-{draw}" / "matrix.json"
+    if nested.is_file():
+        return nested
+    flat = folder / "matrix.json"
+    if draws == 1 and flat.is_file():
+        return flat
+    raise UsageError(f"--against: no stored draw {draw} in {folder} (expected {nested})")
+
+
+def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
+    """A stored draw's cells, after checking it replayed the traces this run would.
+
+    Raises:
+        UsageError: unreadable, not a matrix, or other traces.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        cells = data["cells"]
+        families = data["families"]
+        seed = data["family_seed"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--against: {path} is not a stored matrix: {exc}") from None
+    if seed != draw:
+        raise UsageError(f"--against: {path} is draw {seed}, not draw {draw}")
+    for name, family in FAMILIES.items():
+        stored = families.get(name, {}).get("spec")
+        wanted = family_spec(family, quick, draw)
+        if stored is not None and stored != wanted:
+            raise UsageError(
+                f"--against: {path} replayed {name} as {stored!r}; this run would replay "
+                f"{wanted!r} (use the stored run's --family-seed and --quick)"
+            )
+    window = data.get("conversation_window_s")
+    if window is not None and tuple(window) != conversation_window(draw):
+        raise UsageError(f"--against: {path} used another conversation window ({window})")
+    out = {}
+    for item in cells:
+        cell = Cell(item["family"], item["load"], item["cluster"], item["timing"])
+        metrics = {name: PolicyMetrics(**m) for name, m in item["policies"].items()}
+        out[cell] = CellResult(
+            cell,
+            item["requests"],
+            item["rate_per_s"],
+            metrics,
+            item["floors"],
+            item["hit_bounds"],
+            item.get("prefill_load", math.nan),
+            item.get("decode_load", math.nan),
+        )
+    return out
+
+
+def restrict_plan(plan: MatrixPlan, stored: Mapping[Cell, CellResult]) -> None:
+    """Keep only the plan's cells the stored draw has."""
+    plan.cells = [cell for cell in plan.cells if cell in stored]
+
+
+def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> list[CellResult]:
+    """The stored cells with the candidates' runs added, in the fresh run's cell order; the
+    candidates' figures rounded as the stored ones were (six decimals), so that a tie is a tie
+    whichever side ran now."""
+    merged = []
+    for result in fresh:
+        base = stored[result.cell]
+        metrics = dict(base.metrics)
+        for name, figures in result.metrics.items():
+            metrics[name] = PolicyMetrics(**stored_precision(figures.to_json()))
+        merged.append(
+            CellResult(
+                base.cell,
+                base.requests,
+                base.offered_rate_per_s,
+                metrics,
+                base.floors,
+                base.hit_bounds,
+                base.prefill_load,
+                base.decode_load,
+            )
+        )
+    return merged
+
+
+def judged_alone(result: CellResult, name: str, candidates: Sequence[str]) -> CellResult:
+    """The cell as ``name`` is judged: it and the stored policies other than the stored
+    default and the other candidates."""
+    keep = {
+        policy: metrics
+        for policy, metrics in result.metrics.items()
+        if policy == name or (policy != DEFAULT_POLICY and policy not in candidates)
+    }
+    return CellResult(
+        result.cell,
+        result.requests,
+        result.offered_rate_per_s,
+        keep,
+        result.floors,
+        result.hit_bounds,
+        result.prefill_load,
+        result.decode_load,
+    )
+
+
+@dataclass(slots=True)
+class Judgement:
+    """One policy judged as the default, over one split of the cells.
+
+    ``passed``: cells passed per draw; ``pooled``: cells passed with the draws pooled; the
+    geometric means and worst ratios are over the pooled cells (throughput as best ÷ this).
+    """
+
+    policy: str
+    split: str
+    cells: int
+    passed: list[int]
+    pooled: int
+    geo_ttft_mean: float
+    geo_ttft_p90: float
+    worst_ttft_mean: tuple[float, str]
+    worst_ttft_p90: tuple[float, str]
+    worst_inverse_throughput: tuple[float, str]
+    failures: list[tuple[str, list[str]]]
+
+
+def judge(
+    per_draw: Mapping[int, Sequence[CellResult]], name: str, candidates: Sequence[str]
+) -> list[Judgement]:
+    """``name`` judged as the default on each split (tuning, held-out, all)."""
+    alone = {
+        draw: [judged_alone(r, name, candidates) for r in results]
+        for draw, results in per_draw.items()
+    }
+    pooled = pooled_results(alone)
+    out = []
+    for split in (TUNING, HELD_OUT, "all"):
+
+        def chosen(results: Sequence[CellResult], split: str = split) -> list[CellResult]:
+            return [r for r in results if split == "all" or FAMILIES[r.cell.family].split == split]
+
+        cells = chosen(pooled)
+        if not cells:
+            continue
+        passed = []
+        for results in alone.values():
+            verdicts = [default_verdict(r, name) for r in chosen(results)]
+            passed.append(sum(1 for v in verdicts if v is not None and v.passed))
+        ratios = [(r.cell.label, cell_ratios(r)[name]) for r in cells]
+        inverse = [
+            (1 / x.throughput if x.throughput > 0 else math.inf, label) for label, x in ratios
+        ]
+        failures = []
+        count = 0
+        for result in cells:
+            verdict = default_verdict(result, name)
+            if verdict is not None and verdict.passed:
+                count += 1
+            elif verdict is not None:
+                failures.append((result.cell.label, list(verdict.reasons)))
+        out.append(
+            Judgement(
+                name,
+                split,
+                len(cells),
+                passed,
+                count,
+                _geo([x.ttft_mean for _, x in ratios]),
+                _geo([x.ttft_p90 for _, x in ratios]),
+                _worst([(x.ttft_mean, label) for label, x in ratios]),
+                _worst([(x.ttft_p90, label) for label, x in ratios]),
+                _worst(inverse),
+                failures,
+            )
+        )
+    return out
+
+
+def _geo(values: Sequence[float]) -> float:
+    finite = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
+
+
+def _worst(items: Sequence[tuple[float, str]]) -> tuple[float, str]:
+    return max(items, key=lambda item: item[0])
+
+
+def against_report(
+    title: str, command: str, folder: str, judgements: Sequence[Judgement], draws: Sequence[int]
+) -> str:
+    """Markdown: each policy's verdicts as the default, per split, and its pooled failures."""
+    lines = [
+        f"# {title}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Judged on the stored matrix in `{folder}` (draws {', '.join(map(str, draws))}): each "
+        "policy by the default's bar against the stored policies other than the stored default "
+        f"(`{DEFAULT_POLICY}`, judged the same way in the first rows), never against another "
+        "candidate. Pooled: the draws taken together (see `draws.md` of a matrix run). "
+        "Geometric means and worst cells are over the pooled cells; throughput as best ÷ this.",
+        "",
+        "| policy | split | cells | pass, "
+        + " / ".join(f"draw {d}" for d in draws)
+        + " | pass, pooled | geo mean ratio: TTFT mean / p90 | worst TTFT mean | worst TTFT p90 "
+        "| worst 1÷throughput |",
+        "|---|---|---:|---|---:|---|---|---|---|",
+    ]
+    for j in judgements:
+        lines.append(
+            f"| {j.policy} | {j.split} | {j.cells} | {' / '.join(map(str, j.passed))} "
+            f"| {j.pooled} | {j.geo_ttft_mean:.3f} / {j.geo_ttft_p90:.3f} "
+            f"| {j.worst_ttft_mean[0]:.2f} ({j.worst_ttft_mean[1]}) "
+            f"| {j.worst_ttft_p90[0]:.2f} ({j.worst_ttft_p90[1]}) "
+            f"| {j.worst_inverse_throughput[0]:.2f} ({j.worst_inverse_throughput[1]}) |"
+        )
+    for j in judgements:
+        if j.split != "all" or not j.failures:
+            continue
+        lines += ["", f"## {j.policy}: cells failed, pooled ({len(j.failures)})", ""]
+        lines += [f"- {label}: {'; '.join(reasons)}" for label, reasons in j.failures]
+    return "\n".join(lines) + "\n"
+
+
+def against_json(
+    command: str,
+    folder: str,
+    judgements: Sequence[Judgement],
+    per_draw: Mapping[int, Sequence[CellResult]],
+    candidates: Sequence[str],
+) -> dict[str, Any]:
+    """The judgements, and every candidate's own metrics per draw and cell."""
+    return {
+        "command": command,
+        "against": folder,
+        "judgements": [{name: getattr(j, name) for name in j.__slots__} for j in judgements],
+        "runs": {
+            str(draw): [
+                {
+                    "family": r.cell.family,
+                    "load": r.cell.load,
+                    "cluster": r.cell.cluster,
+                    "timing": r.cell.timing,
+                    "policies": {
+                        name: r.metrics[name].to_json() for name in candidates if name in r.metrics
+                    },
+                }
+                for r in results
+            ]
+            for draw, results in per_draw.items()
+        },
+    }

@@ -1,0 +1,116 @@
+"""``kv-picker bench matrix --against``: candidates run alone and judged on a stored matrix as
+the default would be, never against each other."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
+from kv_picker_bench.harness import matrix
+from kv_picker_bench.harness.against import judge
+from tests.benchmarks.harness.test_matrix import cell_result, metrics
+
+SMALL = ["--quick", "--families", "chat,rag", "--clusters", "small4", "--loads", "0.5",
+         "--timing", "llama-3.1-8b-h100", "--quiet", "--jobs", "2", "--no-plots"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("stored")
+    code = matrix.main(
+        [*SMALL, "--policy", "kv-picker", "--policy", "gie-default", "--policy", "round-robin",
+         "--family-seed", "1,3", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    return out
+
+
+def test_a_candidate_equal_to_the_default_gets_the_stored_defaults_verdicts(
+    stored: Path, tmp_path: Path
+) -> None:
+    profile = tmp_path / "same.yaml"
+    document = {"plugins": list(DEFAULT_PLUGINS), "schedulingProfiles": [DEFAULT_PROFILE]}
+    profile.write_text(yaml.safe_dump(json.loads(json.dumps(document))))
+    out = tmp_path / "out"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--policy",
+         f"same={profile}", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "against.json").read_text())
+    rows = {(j["policy"], j["split"]): j for j in report["judgements"]}
+    # The simulator is deterministic: the candidate's runs are the stored default's.
+    for draw in ("1", "3"):
+        stored_cells = json.loads((stored / f"draw-{draw}" / "matrix.json").read_text())["cells"]
+        runs = {(c["family"], c["load"]): c["policies"]["same"] for c in report["runs"][draw]}
+        for cell in stored_cells:
+            mine = dict(runs[(cell["family"], cell["load"])], policy="kv-picker", wall_s=0)
+            assert mine == dict(cell["policies"]["kv-picker"], wall_s=0)
+    summary = json.loads((stored / "draws.json").read_text())
+    for split in ("tuning", "held-out"):
+        families = [f for f in summary["families"] if f["split"] == split]
+        passed = [sum(f["passed"][i] for f in families) for i in range(2)]
+        pooled = sum(f["passed_pooled"] for f in families)
+        for name in ("kv-picker", "same"):
+            assert rows[(name, split)]["passed"] == passed
+            assert rows[(name, split)]["pooled"] == pooled
+    assert rows[("same", "all")]["cells"] == 2
+    text = (out / "against.md").read_text()
+    assert "| same | all | 2 |" in text and "| kv-picker | all | 2 |" in text
+
+
+def test_each_candidate_is_judged_without_the_others_and_without_the_stored_default() -> None:
+    cells = {
+        1: [
+            cell_result(
+                metrics("kv-picker", 0.5, 0.5, 100.0),  # the stored default: better than all
+                metrics("gie-default", 1.0, 1.0, 100.0),
+                metrics("fast", 0.5, 0.5, 100.0),
+                metrics("slow", 1.04, 1.04, 100.0),
+            )
+        ]
+    }
+    rows = {j.policy: j for name in ("fast", "slow") for j in judge(cells, name, ["fast", "slow"])
+            if j.split == "all"}  # fmt: skip
+    # Judged against gie-default alone, "slow" is within 5% of the best; it only fails the
+    # never-worse-than-the-GIE-default rule, not the ratios "fast" or the default would set.
+    assert rows["fast"].pooled == 1 and rows["fast"].geo_ttft_mean == pytest.approx(1.0)
+    assert rows["slow"].pooled == 0
+    assert rows["slow"].geo_ttft_mean == pytest.approx(1.04)  # not 2.08: "fast" is not there
+    assert rows["slow"].failures == [(cells[1][0].cell.label, [
+        "TTFT mean worse than gie-default", "TTFT p90 worse than gie-default"])]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--family-seed", "2", "--policy", "least-queue"], "no stored draw 2"),
+        (["--family-seed", "1,3"], "needs the candidates to judge"),
+        (["--family-seed", "1,3", "--policy", "gie-default"], "has a policy of that name"),
+    ],
+)
+def test_a_run_that_cannot_be_judged_on_the_stored_matrix_is_refused(
+    stored: Path, tmp_path: Path, extra: list[str], reason: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    code = matrix.main([*SMALL, "--against", str(stored), "--out", str(tmp_path), *extra])
+    assert code == 2
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "against.json").exists()
+
+
+def test_other_traces_than_the_stored_ones_are_refused(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full = [a for a in SMALL if a != "--quick"]  # the stored run was --quick
+    code = matrix.main(
+        [*full, "--family-seed", "1", "--against", str(stored / "draw-1"), "--policy",
+         "round-robin2=" + str(Path(__file__).parents[3] / "benchmarks" / "profiles"
+                               / "recent-work.yaml"), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 2
+    assert "this run would replay" in capsys.readouterr().err
