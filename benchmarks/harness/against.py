@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +118,7 @@ def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> lis
         metrics = dict(base.metrics)
         for name, figures in result.metrics.items():
             metrics[name] = PolicyMetrics(**stored_precision(figures.to_json()))
-        merged.append(
-            CellResult(
-                base.cell,
-                base.requests,
-                base.offered_rate_per_s,
-                metrics,
-                base.floors,
-                base.hit_bounds,
-                base.prefill_load,
-                base.decode_load,
-            )
-        )
+        merged.append(replace(base, metrics=metrics))
     return merged
 
 
@@ -141,16 +130,7 @@ def judged_alone(result: CellResult, name: str, candidates: Sequence[str]) -> Ce
         for policy, metrics in result.metrics.items()
         if policy == name or (policy != DEFAULT_POLICY and policy not in candidates)
     }
-    return CellResult(
-        result.cell,
-        result.requests,
-        result.offered_rate_per_s,
-        keep,
-        result.floors,
-        result.hit_bounds,
-        result.prefill_load,
-        result.decode_load,
-    )
+    return replace(result, metrics=keep)
 
 
 @dataclass(slots=True)
