@@ -68,15 +68,28 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        cells = data["cells"]
         families = data["families"]
         seed = data["family_seed"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--against: {path} is not a stored matrix: {exc}") from None
+        out = {}
+        for item in data["cells"]:
+            cell = Cell(item["family"], item["load"], item["cluster"], item["timing"])
+            metrics = {name: PolicyMetrics(**m) for name, m in item["policies"].items()}
+            out[cell] = CellResult(
+                cell,
+                item["requests"],
+                item["rate_per_s"],
+                metrics,
+                item["floors"],
+                item["hit_bounds"],
+                item.get("prefill_load", math.nan),
+                item.get("decode_load", math.nan),
+            )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--against: {path} is not a stored matrix: {exc!r}") from None
     if seed != draw:
         raise UsageError(f"--against: {path} is draw {seed}, not draw {draw}")
     for name, family in FAMILIES.items():
-        stored = families.get(name, {}).get("spec")
+        stored = families.get(name, {}).get("spec") if isinstance(families, dict) else None
         wanted = family_spec(family, quick, draw)
         if stored is not None and stored != wanted:
             raise UsageError(
@@ -86,20 +99,6 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
     window = data.get("conversation_window_s")
     if window is not None and tuple(window) != conversation_window(draw):
         raise UsageError(f"--against: {path} used another conversation window ({window})")
-    out = {}
-    for item in cells:
-        cell = Cell(item["family"], item["load"], item["cluster"], item["timing"])
-        metrics = {name: PolicyMetrics(**m) for name, m in item["policies"].items()}
-        out[cell] = CellResult(
-            cell,
-            item["requests"],
-            item["rate_per_s"],
-            metrics,
-            item["floors"],
-            item["hit_bounds"],
-            item.get("prefill_load", math.nan),
-            item.get("decode_load", math.nan),
-        )
     return out
 
 

@@ -114,3 +114,22 @@ def test_other_traces_than_the_stored_ones_are_refused(
     )  # fmt: skip
     assert code == 2
     assert "this run would replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", '{"cells": [], "families": {}}',
+     '{"family_seed": 1, "families": {}, "cells": [{"family": "chat"}]}',
+     '{"family_seed": 1, "families": {}, "cells": [{"family": "chat", "load": 0.5, '
+     '"cluster": "small4", "timing": "t", "policies": {"x": {"unknown": 1}}}]}'],
+)  # fmt: skip
+def test_a_stored_matrix_that_is_not_one_is_refused_naming_the_file(
+    tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "matrix.json").write_text(content)
+    code = matrix.main([*SMALL, "--family-seed", "1", "--against", str(tmp_path), "--policy",
+                        "least-queue", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "is not a stored matrix" in err and "matrix.json" in err
+    assert not (tmp_path / "out" / "against.json").exists()
