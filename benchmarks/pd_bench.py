@@ -12,7 +12,7 @@ arrivals), four policies in one run, endpoint caches reset between them:
   divide by each endpoint's class speed);
 - ``pd``: the H100s prefill only, the A100s decode, ``pd-profile-handler`` disaggregating
   prompts with at least ``--threshold`` uncached tokens (shorter ones stay on a decode
-  endpoint); both profiles score with the default's three scorers.
+  endpoint); both profiles score with the default's four scorers.
 
 TTFT and TPOT are the simulated endpoints' own model-time figures for each request (the prefill
 leg and the KV transfer included), so host noise does not enter them.

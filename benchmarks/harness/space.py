@@ -74,7 +74,7 @@ from kv_picker.scheduling.registry import Registry
 
 DEFAULT_SPACE = """\
 # The built-in search space of `kv-picker tune`: the weights of the built-in default profile's
-# three scorers, two scraped load signals it leaves out (tried in and out), and the parameters
+# four scorers, two scraped load signals it leaves out (tried in and out), and the parameters
 # that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
 # affinity on a lightly loaded pool). predicted-latency-scorer's prefillTokensPerSecond is left
 # out on purpose: when the picker sent all the queued work itself, as in a replay, the rate
@@ -83,11 +83,13 @@ dimensions:
 - {plugin: prefix-cache-scorer, weight: {low: 0, high: 8, step: 0.25}}
 - {plugin: predicted-latency-scorer, weight: {low: 0, high: 8, step: 0.25}}
 - {plugin: active-request-scorer, weight: {low: 0, high: 8, step: 0.25}}
+- {plugin: recent-work-scorer, weight: {low: 0, high: 4, step: 0.25}}
 - {plugin: queue-scorer, weight: {low: 0.25, high: 4, step: 0.25, optional: true}}
 - {plugin: kv-cache-utilization-scorer, weight: {low: 0.25, high: 4, step: 0.25, optional: true}}
 - plugin: active-request-scorer
   parameter: fullScale
   choices: [0, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+- {plugin: recent-work-scorer, parameter: idleShare, choices: [0.1, 0.25, 0.5, 1.0]}
 - {plugin: prefix-cache-scorer, parameter: blockSizeChars, choices: [32, 64, 128, 256]}
 - plugin: prefix-cache-scorer
   parameter: maxPrefixBlocksToMatch

@@ -126,6 +126,7 @@ def test_explain_shows_every_scorer_for_every_endpoint(tmp_path: Path) -> None:
         "prefix-cache-scorer",
         "predicted-latency-scorer",
         "active-request-scorer",
+        "recent-work-scorer",
     }
     assert profile["picked"][0] == profile["candidates"][0]["address"]
     bad = tmp_path / "bad.json"

@@ -58,10 +58,13 @@ def test_empty_config_is_the_builtin_default() -> None:
         "prefix-cache-scorer",
         "predicted-latency-scorer",
         "active-request-scorer",
+        "recent-work-scorer",
         "max-score-picker",
     ]
-    weights = [entry.weight for entry in config.profiles[0].entries[:3]]
-    assert weights == [1, 1, 2]
+    weights = [entry.weight for entry in config.profiles[0].entries[:4]]
+    assert weights == [1, 1, 2, 0.5]
+    (recent,) = [p for p in config.plugins if p.type == "recent-work-scorer"]
+    assert recent.params.idleShare == 0.25
     assert config == parse_config({}, REGISTRY, source="<text>")
 
 

@@ -173,3 +173,26 @@ def test_pd_variant_gives_each_side_its_own_plugins() -> None:
                 },
             )
         )
+
+
+PROFILES = Path(__file__).parents[3] / "benchmarks" / "profiles"
+
+
+def _parsed(item: str) -> tuple[object, object]:
+    config = resolve_policy(item).config(harness_registry())
+    return config.profiles, [(p.name, p.type, p.params) for p in config.plugins]
+
+
+@pytest.mark.parametrize("path", sorted(PROFILES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_profile_builds(path: Path) -> None:
+    profiles, plugins = _parsed(f"{path.stem}={path}")
+    assert profiles and plugins
+
+
+def test_the_recent_work_candidate_is_the_built_in_default() -> None:
+    # The stored judgement of the candidate (results/candidates/recent-work/) is the present
+    # default's: the file must not drift from it.
+    assert _parsed(f"c={PROFILES / 'recent-work.yaml'}") == _parsed("kv-picker")
+    _, before_plugins = _parsed(f"b={PROFILES / 'default-before-recent-work.yaml'}")
+    _, default_plugins = _parsed("kv-picker")
+    assert [p for p in default_plugins if p[1] != "recent-work-scorer"] == before_plugins

@@ -141,6 +141,8 @@ def test_the_default_space_starts_from_the_built_in_default() -> None:
     assert space.base_values["prefix-cache-scorer.weight"] == 1
     assert space.base_values["active-request-scorer.weight"] == 2
     assert space.base_values["active-request-scorer.fullScale"] == 8192
+    assert space.base_values["recent-work-scorer.weight"] == 0.5
+    assert space.base_values["recent-work-scorer.idleShare"] == 0.25
     assert space.base_values["queue-scorer.enabled"] is False
     assert "queue-scorer.weight" not in space.base_values
     document, chosen = space.build(FixedChooser(space.base_values))
