@@ -34,14 +34,16 @@ count tokens only), ``fullScale`` (0: relative to the busiest candidate), in tok
 over the 30-second window: with it, a difference counts in full only once the busiest
 candidate has worked that much; ``idleShare`` (1): below 1, only the endpoints that did less
 than that share of the busiest one's work score above 0, so the scorer seeds endpoints left
-idle and says nothing among a pool that is busy everywhere.
+idle and says nothing among a pool that is busy everywhere; ``decodeSpeedScaled`` (false):
+multiplies each score by the endpoint's decode speed over the fastest candidate's, so an idle
+slow endpoint (an L4 next to H100s) is seeded only in proportion to what it delivers: a
+session placed there keeps coming back, and decodes there at its speed.
 
-Not in the built-in default (yet): on the routing matrix, at weight 0.5 with ``idleShare`` 0.25
-next to the default's scorers (``benchmarks/profiles/recent-work.yaml``), chosen on the tuning
-families, it passes 122 of 136 tuning cells and 117 of 136 held-out ones over three draws
-pooled (the default: 121 and 116) and takes the worst cell from 2.21x the best TTFT mean to
-1.87x; light-load ``agentic`` on P/D goes from 2.21x to 1.0x (``benchmarks/RESULTS.md``
-section 1).
+In the built-in default, at weight 0.5 with
+``idleShare`` 0.25 next to the other scorers: chosen on the tuning families, it passed 122 of
+136 tuning cells and 117 of 136 held-out ones over three draws pooled (the default before it:
+121 and 116) and took the worst cell from 2.21x the best TTFT mean to 1.87x; light-load
+``agentic`` on P/D went from 2.21x to 1.0x (``benchmarks/RESULTS.md`` section 1).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class RecentWorkParams:
     attentionCrossoverTokens: Annotated[float, NonNegative] = 20_500.0
     fullScale: Annotated[float, NonNegative] = 0.0
     idleShare: Annotated[float, Range(gt=0, le=1)] = 1.0
+    decodeSpeedScaled: bool = False
 
 
 class RecentWorkScorer:
@@ -75,6 +78,8 @@ class RecentWorkScorer:
         self._pair_weight = 1.0 / crossover if crossover > 0 else 0.0
         self._scale = params.fullScale
         self._share = params.idleShare
+        self._decode_scaled = params.decodeSpeedScaled
+        self._speed: list[float] = []
         self._work: list[float] = []
 
     def work(self, endpoint: Endpoint) -> float:
@@ -89,9 +94,13 @@ class RecentWorkScorer:
         for endpoint in candidates:
             work.append(self.work(endpoint))
         span = max(max(work), self._scale) * self._share
-        if span <= 0.0:
-            for i in range(len(work)):
-                out[i] = 1.0
-            return
         for i, w in enumerate(work):
-            out[i] = max(0.0, 1.0 - w / span)
+            out[i] = max(0.0, 1.0 - w / span) if span > 0.0 else 1.0
+        if self._decode_scaled:
+            speed = self._speed
+            speed.clear()
+            for endpoint in candidates:
+                speed.append(self._hardware.of(endpoint.labels).decode_speed)
+            fastest = max(speed)
+            for i, s in enumerate(speed):
+                out[i] *= s / fastest

@@ -142,3 +142,20 @@ def test_scores_are_in_unit_range_and_ordered_by_work(work: list[float]) -> None
         for j in range(len(work)):
             if work[i] < work[j]:
                 assert out[i] >= out[j]
+
+
+def test_decode_speed_scaling_seeds_a_slow_idle_endpoint_less() -> None:
+    labels = [{HARDWARE_CLASS_LABEL: c} for c in ("H100", "H100", "L4")]
+    store = make_store(3, labels=labels)
+    store.add_recent_prefill(0, 40_000.0, 0.0)
+    plain = RecentWorkScorer("w", RecentWorkParams(idleShare=0.25), make_context(store))
+    assert scores(plain, store) == [0.0, 1.0, 1.0]
+    params = RecentWorkParams(idleShare=0.25, decodeSpeedScaled=True)
+    scaled = RecentWorkScorer("w", params, make_context(store))
+    busy, idle_h100, idle_l4 = scores(scaled, store)
+    assert busy == 0.0 and idle_h100 == 1.0
+    assert idle_l4 == pytest.approx(0.300 / 3.35, rel=0.01)
+    # Nobody worked yet: the same proportion.
+    fresh = make_store(3, labels=labels)
+    scaled_fresh = RecentWorkScorer("w", params, make_context(fresh))
+    assert scores(scaled_fresh, fresh)[2] == pytest.approx(0.300 / 3.35, rel=0.01)
