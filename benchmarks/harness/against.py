@@ -42,6 +42,7 @@ from kv_picker_bench.harness.matrix import (
     conversation_window,
     default_verdict,
     family_spec,
+    geometric_mean,
     pooled_results,
 )
 from kv_picker_bench.harness.report import PolicyMetrics
@@ -194,8 +195,8 @@ def judge(
                 len(cells),
                 passed,
                 count,
-                _geo([x.ttft_mean for _, x in ratios]),
-                _geo([x.ttft_p90 for _, x in ratios]),
+                geometric_mean([x.ttft_mean for _, x in ratios]),
+                geometric_mean([x.ttft_p90 for _, x in ratios]),
                 _worst([(x.ttft_mean, label) for label, x in ratios]),
                 _worst([(x.ttft_p90, label) for label, x in ratios]),
                 _worst(inverse),
@@ -203,11 +204,6 @@ def judge(
             )
         )
     return out
-
-
-def _geo(values: Sequence[float]) -> float:
-    finite = [v for v in values if v > 0 and math.isfinite(v)]
-    return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
 
 
 def _worst(items: Sequence[tuple[float, str]]) -> tuple[float, str]:

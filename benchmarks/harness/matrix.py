@@ -511,6 +511,12 @@ class PolicySummary:
     worst_throughput: tuple[float, str]
 
 
+def geometric_mean(values: Sequence[float]) -> float:
+    """Geometric mean of the positive finite values (NaN when there are none)."""
+    finite = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
+
+
 def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
     per_policy: dict[str, list[tuple[Cell, Ratios]]] = {}
     for result in results:
@@ -518,10 +524,6 @@ def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
             per_policy.setdefault(name, []).append((result.cell, ratios))
     summaries = []
     for name, items in per_policy.items():
-
-        def geo(values: list[float]) -> float:
-            finite = [v for v in values if v > 0 and math.isfinite(v)]
-            return math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
 
         def worst(
             pick: Callable[[Ratios], float],
@@ -535,10 +537,10 @@ def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
             PolicySummary(
                 name,
                 len(items),
-                geo([r.ttft_mean for _, r in items]),
-                geo([r.ttft_p90 for _, r in items]),
-                geo([r.ttft_p99 for _, r in items]),
-                geo([r.throughput for _, r in items]),
+                geometric_mean([r.ttft_mean for _, r in items]),
+                geometric_mean([r.ttft_p90 for _, r in items]),
+                geometric_mean([r.ttft_p99 for _, r in items]),
+                geometric_mean([r.throughput for _, r in items]),
                 worst(lambda r: r.ttft_mean, True),
                 worst(lambda r: r.ttft_p90, True),
                 worst(lambda r: r.ttft_p99, True),
