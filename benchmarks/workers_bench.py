@@ -252,7 +252,9 @@ async def _exchange_sender(directory: str, rate: float, seconds: float, keys_per
     return sent
 
 
-def _exchange_receiver(directory: str, seconds: float, results: Any) -> None:
+def _exchange_receiver(
+    directory: str, seconds: float, results: Any, ready: Any, finished: Any
+) -> None:
     async def receive() -> tuple[float, int]:
         index = ApproximatePrefixIndex(31_250)
 
@@ -265,7 +267,13 @@ def _exchange_receiver(directory: str, seconds: float, results: Any) -> None:
         sync.start()
         await asyncio.sleep(0.8)
         before = resource.getrusage(resource.RUSAGE_SELF)
-        await asyncio.sleep(seconds + 0.5)
+        # The sender starts only now: a subscriber misses what was sent before it connected,
+        # and starting this process can take seconds on a loaded machine.
+        ready.set()
+        deadline = time.monotonic() + seconds + 60.0
+        while not finished.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the last messages in flight
         after = resource.getrusage(resource.RUSAGE_SELF)
         sync.close()
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -277,15 +285,22 @@ def _exchange_receiver(directory: str, seconds: float, results: Any) -> None:
 def exchange_cost(rate: float, seconds: float = 8.0, keys_per_pick: int = 250) -> dict[str, float]:
     """The receiving worker's CPU per request another worker routed (see the docstring)."""
     directory = tempfile.mkdtemp(prefix="kv-picker-exchange-")
-    results: Any = multiprocessing.get_context("spawn").Queue()
-    receiver = multiprocessing.get_context("spawn").Process(
-        target=_exchange_receiver, args=(directory, seconds, results)
+    context = multiprocessing.get_context("spawn")
+    results: Any = context.Queue()
+    ready = context.Event()
+    finished = context.Event()
+    receiver = context.Process(
+        target=_exchange_receiver, args=(directory, seconds, results, ready, finished)
     )
     receiver.start()
     try:
+        if not ready.wait(60.0):
+            raise RuntimeError("the receiving worker did not start within 60 s")
         sent = asyncio.run(_exchange_sender(directory, rate, seconds, keys_per_pick))
-        cpu_s, received = results.get(timeout=seconds + 30)
+        finished.set()
+        cpu_s, received = results.get(timeout=90.0)
     finally:
+        finished.set()
         receiver.join(10)
     return {
         "rate": rate,
