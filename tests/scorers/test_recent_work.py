@@ -159,3 +159,9 @@ def test_decode_speed_scaling_seeds_a_slow_idle_endpoint_less() -> None:
     fresh = make_store(3, labels=labels)
     scaled_fresh = RecentWorkScorer("w", params, make_context(fresh))
     assert scores(scaled_fresh, fresh)[2] == pytest.approx(0.300 / 3.35, rel=0.01)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_decode_speed_scaled_takes_only_a_boolean(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"parameters\.decodeSpeedScaled: expected true/false"):
+        decode(RecentWorkParams, {"decodeSpeedScaled": value}, "parameters")
