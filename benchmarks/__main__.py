@@ -20,6 +20,7 @@ COMMANDS = {
     "peers": "kv_picker_bench.harness.peers",
     "tracing": "kv_picker_bench.tracing_overhead",
     "prefix-match": "kv_picker_bench.prefix_match_cost",
+    "scorer-cost": "kv_picker_bench.scorer_cost",
     "faults": "kv_picker_bench.faults.cli",
     "soak": "kv_picker_bench.faults.soak",
 }
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  peers      the same slice through vllm-router / sglang-router")
         print("  tracing    per-request cost of OpenTelemetry tracing, off and on (in process)")
         print("  prefix-match  per-request cost of matching long prompts further (in process)")
+        print("  scorer-cost  per-request cost of each of the default's scorers (in process)")
         print("  faults     fault suite: kills, bad reloads and inputs, gRPC abuse, outages")
         print("  soak       long run: steady load, restarts, reloads; RSS, fds, tasks over time")
         return 0 if args and args[0] in ("-h", "--help") else 2

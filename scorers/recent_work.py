@@ -82,17 +82,19 @@ class RecentWorkScorer:
         self._speed: list[float] = []
         self._work: list[float] = []
 
-    def work(self, endpoint: Endpoint) -> float:
-        """``w(e)``: the endpoint's recent prefill work in tokens at speed 1."""
-        tokens, pairs = self._store.recent_prefill(endpoint.id)
+    def work(self, endpoint: Endpoint, now: float | None = None) -> float:
+        """``w(e)``: the endpoint's recent prefill work in tokens at speed 1, as of ``now``
+        (default: the store's clock)."""
+        tokens, pairs = self._store.recent_prefill(endpoint.id, now)
         speed = self._hardware.of(endpoint.labels).prefill_speed
         return (tokens + pairs * self._pair_weight) / speed
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         work = self._work
         work.clear()
+        now = self._store.now()
         for endpoint in candidates:
-            work.append(self.work(endpoint))
+            work.append(self.work(endpoint, now))
         span = max(max(work), self._scale) * self._share
         for i, w in enumerate(work):
             out[i] = max(0.0, 1.0 - w / span) if span > 0.0 else 1.0

@@ -278,18 +278,24 @@ class EndpointStore:
         self.recent_pairs[endpoint_id] = self.recent_pairs[endpoint_id] * keep + pairs
         self.recent_s[endpoint_id] = self._clock()
 
-    def recent_prefill(self, endpoint_id: EndpointId) -> tuple[float, float]:
+    def recent_prefill(
+        self, endpoint_id: EndpointId, now: float | None = None
+    ) -> tuple[float, float]:
         """The uncached tokens and attention work sent to an endpoint for prefill, each pick's
         decayed by ``exp(-age / RECENT_WORK_TIME_CONSTANT_S)``: the rate of work its contexts
         bring lately, about 30 s of it. Unlike the queued work it stays after the prefill ends,
-        so it tells an endpoint whose sessions will come back from one that is idle."""
-        keep = self._recent_keep(endpoint_id)
+        so it tells an endpoint whose sessions will come back from one that is idle. ``now``
+        (default: the store's clock) lets a caller that reads many endpoints read the clock
+        once."""
+        keep = self._recent_keep(endpoint_id, now)
         return self.recent_tokens[endpoint_id] * keep, self.recent_pairs[endpoint_id] * keep
 
-    def _recent_keep(self, endpoint_id: EndpointId) -> float:
+    def _recent_keep(self, endpoint_id: EndpointId, now: float | None = None) -> float:
         if not self.recent_tokens[endpoint_id] and not self.recent_pairs[endpoint_id]:
             return 0.0
-        age = max(0.0, self._clock() - self.recent_s[endpoint_id])
+        if now is None:
+            now = self._clock()
+        age = max(0.0, now - self.recent_s[endpoint_id])
         return math.exp(-age / RECENT_WORK_TIME_CONSTANT_S)
 
     def prefill_done(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:

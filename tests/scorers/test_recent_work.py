@@ -39,6 +39,18 @@ def test_work_decays_with_its_age_and_adds_up() -> None:
     assert store.recent_prefill(1) == (0.0, 0.0)  # never sent anything
 
 
+def test_work_read_as_of_a_given_time_is_the_work_the_clock_would_give_then() -> None:
+    clock = ManualClock()
+    store = make_store(1, clock=clock)
+    store.add_recent_prefill(0, 1000.0, 2e6)
+    later = clock() + RECENT_WORK_TIME_CONSTANT_S
+    as_of_later = store.recent_prefill(0, later)
+    assert as_of_later[0] == pytest.approx(1000.0 / math.e)
+    assert store.recent_prefill(0) == (1000.0, 2e6)  # the clock itself has not moved
+    clock.advance(RECENT_WORK_TIME_CONSTANT_S)
+    assert store.recent_prefill(0) == as_of_later
+
+
 def test_a_queued_prefill_counts_and_stays_after_it_ends() -> None:
     store = make_store(1)
     store.add_prefill(0, 800.0, 3e5)
