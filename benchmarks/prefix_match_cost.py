@@ -20,7 +20,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, parse_config
@@ -75,12 +75,18 @@ def default_document(max_blocks: int) -> dict[str, Any]:
 
 
 def build_director(max_blocks: int) -> Director:
+    return director_for(default_document(max_blocks))
+
+
+def director_for(document: Mapping[str, Any]) -> Director:
+    """A director running ``document``'s profile over ``NUM_ENDPOINTS`` idle endpoints, as the
+    ext_proc handler's, with nothing on the network."""
     store = EndpointStore(time.monotonic)
     store.set_endpoints(EndpointSpec(f"10.0.0.{i + 1}:8000", {}) for i in range(NUM_ENDPOINTS))
     for endpoint in store.all():
         store.update_metrics(endpoint.id, waiting=0.0, running=0.0, kv_usage=0.0)
     registry = builtin_registry(include_entry_points=False)
-    config = parse_config(default_document(max_blocks), registry)
+    config = parse_config(dict(document), registry)
     ctx = BuildContext(store, random.Random(0), store.now, metrics_staleness_s=3600.0)
     metrics = PickerMetrics()
     return Director(config, store, Scheduler(config, registry, ctx, metrics), ctx.rng, metrics)

@@ -18,19 +18,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, parse_config
-from kv_picker.director import Director
-from kv_picker.endpoint import EndpointSpec
-from kv_picker.metrics import PickerMetrics
-from kv_picker.plugins import builtin_registry
-from kv_picker.scheduling.context import BuildContext
-from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.state.endpoints import EndpointStore
-from kv_picker_bench.prefix_match_cost import NUM_DOCUMENTS, NUM_ENDPOINTS, bodies, run_round
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
+from kv_picker_bench.prefix_match_cost import NUM_DOCUMENTS, bodies, director_for, run_round
 
 WHOLE = "the whole default"
 
@@ -61,18 +53,6 @@ def document_without(scorer: str | None) -> dict[str, Any]:
     return {"seed": 0, "plugins": plugins, "schedulingProfiles": [profile]}
 
 
-def build_director(document: Mapping[str, Any]) -> Director:
-    store = EndpointStore(time.monotonic)
-    store.set_endpoints(EndpointSpec(f"10.0.0.{i + 1}:8000", {}) for i in range(NUM_ENDPOINTS))
-    for endpoint in store.all():
-        store.update_metrics(endpoint.id, waiting=0.0, running=0.0, kv_usage=0.0)
-    registry = builtin_registry(include_entry_points=False)
-    config = parse_config(dict(document), registry)
-    ctx = BuildContext(store, random.Random(0), store.now, metrics_staleness_s=3600.0)
-    metrics = PickerMetrics()
-    return Director(config, store, Scheduler(config, registry, ctx, metrics), ctx.rng, metrics)
-
-
 def measure(
     sizes: Sequence[int], requests: int, rounds: int
 ) -> dict[tuple[int, str], tuple[float, float]]:
@@ -85,7 +65,7 @@ def measure(
     results: dict[tuple[int, str], tuple[float, float]] = {}
     for chars in sizes:
         prepared = bodies(chars, requests)
-        directors = {v: build_director(document_without(v)) for v in variants}
+        directors = {v: director_for(document_without(v)) for v in variants}
         for director in directors.values():  # warm-up: the index holds every document
             run_round(director, prepared[: min(2 * NUM_DOCUMENTS, requests)])
         samples: dict[str | None, list[float]] = {v: [] for v in variants}
