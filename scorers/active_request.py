@@ -19,9 +19,20 @@ reacts at once and spreads the burst.
 
 Inputs: the picker's in-flight accounting (incremented at the pick, decremented when the
 response ends or the stream closes).
+With ``perHardware`` and ``ownDecode``, each candidate also counts the request being placed, beyond
+what it would count on the fastest candidate: ``+ r * (1 / speed(e) - 1 / fastest)``, with ``r``
+its prompt tokens (``unit: tokens``; the KV each of its own decode steps reads) or 1
+(``unit: requests``). On a pool of one hardware class that term is 0 for every candidate and
+nothing changes. On a mixed pool an idle slow endpoint stops looking like the best place for
+any request: an L4 decodes about eleven times slower than an H100 (``kv_picker.state.hardware``),
+so a 40,000-token document placed on an idle L4 counts like 400,000 tokens in flight on an
+H100, while a short chat request there still counts as little and can use the spare capacity.
+Without it the slow endpoint's score is 1 whenever it is idle, whatever it is about to be given.
+
 Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (or tokens) in
 flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
-(0: always relative to the busiest candidate), in the unit's terms.
+(0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
+with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran).
 """
 
 from __future__ import annotations
@@ -30,10 +41,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
-from kv_picker.decode import NonNegative
+from kv_picker.decode import NonNegative, Positive
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
+from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,8 @@ class ActiveRequestParams:
     unit: Literal["requests", "tokens"] = "requests"
     perHardware: bool = False
     fullScale: Annotated[float, NonNegative] = 0.0
+    ownDecode: bool = False
+    charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
 
 
 class ActiveRequestScorer:
@@ -57,7 +71,13 @@ class ActiveRequestScorer:
         self._idle = params.idleThreshold
         self._scale = params.fullScale
         self._hardware = ctx.hardware if params.perHardware else None
+        if params.ownDecode and not params.perHardware:
+            raise ValueError("ownDecode needs perHardware: true")
+        self._own = params.ownDecode
+        self._tokens = params.unit == "tokens"
+        self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
+        self._speeds: list[float] = []
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         in_flight = self._in_flight
@@ -72,8 +92,19 @@ class ActiveRequestScorer:
             return
         loads = self._loads
         loads.clear()
-        for endpoint in candidates:
-            loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
+        if self._own:
+            speeds = self._speeds
+            speeds.clear()
+            for endpoint in candidates:
+                speeds.append(hardware.of(endpoint.labels).decode_speed)
+            fastest = 1.0 / max(speeds)
+            own = prompt_tokens(request, self._chars_per_token) if self._tokens else 1.0
+            for endpoint, speed in zip(candidates, speeds, strict=True):
+                # 1/speed - 1/fastest is exactly 0 where speed is the fastest's.
+                loads.append(in_flight[endpoint.id] / speed + own * (1.0 / speed - fastest))
+        else:
+            for endpoint in candidates:
+                loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
         busiest = max(loads)
         span = max(busiest, self._scale)
         idle = self._idle

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from kv_picker.decode import decode
 from kv_picker.errors import ConfigError
 from kv_picker.scorers.active_request import ActiveRequestParams, ActiveRequestScorer
-from tests.fakes import make_context, make_director, make_request, make_store
+from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
+from tests.fakes import make_context, make_director, make_request, make_scheduler, make_store
 
 
 def scores(scorer: ActiveRequestScorer, store_size: int, store: object) -> list[float]:
@@ -81,3 +82,64 @@ def test_scores_are_in_unit_range_and_ordered_by_load(loads: list[int]) -> None:
         for j in range(len(loads)):
             if loads[i] < loads[j]:
                 assert out[i] >= out[j]
+
+
+def _classed_store(classes: list[str]) -> object:
+    return make_store(len(classes), labels=[{HARDWARE_CLASS_LABEL: c} for c in classes])
+
+
+def _per_hardware(store: object, own: bool) -> ActiveRequestScorer:
+    params = ActiveRequestParams(unit="tokens", perHardware=True, ownDecode=own)
+    return ActiveRequestScorer("a", params, make_context(store))  # type: ignore[arg-type]
+
+
+def test_per_hardware_counts_tokens_in_the_endpoints_own_decode_time() -> None:
+    store = _classed_store(["H100", "L4"])
+    store.in_flight_tokens[:2] = [1000, 100]  # type: ignore[attr-defined]
+    out = [0.0, 0.0]
+    _per_hardware(store, own=False).score(make_request(), store.all(), out)  # type: ignore[attr-defined]
+    # An L4 reads KV about eleven times slower: its 100 tokens weigh more than the H100's 1,000.
+    assert out[1] == 0.0 and out[0] == pytest.approx(1.0 - 1000 / (100 / 0.0896), abs=0.01)
+
+
+def test_own_decode_charges_a_slow_endpoint_for_the_request_being_placed() -> None:
+    store = _classed_store(["H100", "L4"])
+    store.in_flight_tokens[:2] = [20_000, 0]  # type: ignore[attr-defined]
+    long_prompt = make_request("x" * 40_000)  # 10,000 tokens at 4 characters a token
+    short_prompt = make_request("x" * 400)  # 100 tokens
+    for own, request, l4_wins in (
+        (False, long_prompt, True),  # without it an idle L4 is the best place for anything
+        (True, long_prompt, False),  # ~100,000 H100-tokens of decode on the L4 against 20,000
+        (True, short_prompt, True),  # ~1,000: a short request may still use the idle L4
+    ):
+        out = [0.0, 0.0]
+        _per_hardware(store, own).score(request, store.all(), out)  # type: ignore[attr-defined]
+        assert (out[1] > out[0]) is l4_wins, (own, len(request.prompt.text), out)
+
+
+@given(
+    st.sampled_from(["H100", "A100", "L4"]),
+    st.lists(st.integers(min_value=0, max_value=200_000), min_size=1, max_size=6),
+    st.integers(min_value=1, max_value=40_000),
+)
+def test_own_decode_changes_nothing_on_a_pool_of_one_class(
+    hardware: str, loads: list[int], prompt_chars: int
+) -> None:
+    store = _classed_store([hardware] * len(loads))
+    store.in_flight_tokens[: len(loads)] = loads  # type: ignore[attr-defined]
+    request = make_request("y" * prompt_chars)
+    plain, own = [0.0] * len(loads), [0.0] * len(loads)
+    _per_hardware(store, own=False).score(request, store.all(), plain)  # type: ignore[attr-defined]
+    _per_hardware(store, own=True).score(request, store.all(), own)  # type: ignore[attr-defined]
+    assert own == plain
+
+
+def test_own_decode_without_per_hardware_is_a_config_error() -> None:
+    document = {
+        "plugins": [
+            {"type": "active-request-scorer", "parameters": {"ownDecode": True}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"active-request-scorer.*ownDecode needs perHardware"):
+        make_scheduler(document, make_store(2))
