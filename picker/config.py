@@ -121,7 +121,10 @@ IGNORED_SECTIONS = (
 #   once batches fill and which the TTFT estimate cannot see coming; below 8,192 tokens in
 #   flight on the busiest candidate (fullScale: about half a millisecond of KV read per decode
 #   step for an 8B model on an H100) differences count only in proportion, so an idle pool
-#   keeps affinity;
+#   keeps affinity; with ownDecode, a candidate slower than the fastest also counts the request
+#   being placed at its decode speed (the extra decode it would cost there), so an idle L4 next
+#   to H100s is no longer the best place for a long prompt; on a pool of one class it changes
+#   nothing;
 # - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
 #   (the latency estimate already counts cached tokens as free). It matches up to 2,048 blocks
 #   (about 32,000 tokens), not the upstream 256 (about 4,000): the latency estimate takes its
@@ -143,7 +146,12 @@ DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": 64}},
     {
         "type": "active-request-scorer",
-        "parameters": {"unit": "tokens", "perHardware": True, "fullScale": 8192},
+        "parameters": {
+            "unit": "tokens",
+            "perHardware": True,
+            "fullScale": 8192,
+            "ownDecode": True,
+        },
     },
     {"type": "recent-work-scorer", "parameters": {"idleShare": 0.25}},
     {"type": "max-score-picker"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,10 +190,19 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_recent_work_candidate_is_the_built_in_default() -> None:
-    # The stored judgement of the candidate (results/candidates/recent-work/) is the present
-    # default's: the file must not drift from it.
-    assert _parsed(f"c={PROFILES / 'recent-work.yaml'}") == _parsed("kv-picker")
+def test_the_own_decode_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/own-decode*/) are the present
+    # default's: the file must not drift from it. The profiles of the defaults before it differ
+    # from it by one parameter, and then by one scorer.
+    assert _parsed(f"c={PROFILES / 'own-decode.yaml'}") == _parsed("kv-picker")
+    recent_profiles, recent_plugins = _parsed(f"r={PROFILES / 'recent-work.yaml'}")
+    default_profiles, default_plugins = _parsed("kv-picker")
+    assert recent_profiles == default_profiles
+    changed = [(a, b) for a, b in zip(recent_plugins, default_plugins, strict=True) if a != b]
+    assert len(changed) == 1
+    (_, kind, before), (_, _, after) = changed[0]
+    assert kind == "active-request-scorer"
+    assert (before.ownDecode, after.ownDecode) == (False, True)
+    assert replace(after, ownDecode=False) == before
     _, before_plugins = _parsed(f"b={PROFILES / 'default-before-recent-work.yaml'}")
-    _, default_plugins = _parsed("kv-picker")
-    assert [p for p in default_plugins if p[1] != "recent-work-scorer"] == before_plugins
+    assert [p for p in recent_plugins if p[1] != "recent-work-scorer"] == before_plugins
