@@ -9,6 +9,11 @@ floor:    client ──> Envoy ──ext_proc──> trivial service (fixed pick
 picker:   client ──> Envoy ──ext_proc──> kv-picker (default profile) ──> endpoint
 ```
 
+``--config FILE`` runs the picker on another configuration (its plugins, profiles, models and
+other sections; the stack supplies ``server`` and ``endpoints``), so a profile's cost through
+Envoy can be compared with the default's: run the command once per profile; each run measures its
+own floor, and the ratios to it compare across runs.
+
 The floor is the least any ext_proc picker written in Python costs (the protocol, the body's
 round trip, gRPC): kv-picker's own work is what it adds beyond the floor's added latency. Each
 processing mode gets its own Envoy pair (floor and picker on the same configuration):
@@ -36,7 +41,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
+import yaml
+
+from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, load_config
+from kv_picker.errors import ConfigError
+from kv_picker.plugins import builtin_registry
 from kv_picker.wire import DESTINATION_HEADER
 from kv_picker_bench.client import Outcome, percentile, replay
 from kv_picker_bench.localstack import (
@@ -158,6 +167,24 @@ def precise_profile() -> dict[str, Any]:
     return {"plugins": plugins, "schedulingProfiles": [dict(DEFAULT_PROFILE)]}
 
 
+STACK_SECTIONS = ("server", "endpoints", "discovery")
+"""Sections of a ``--config`` file the benchmark's stack supplies itself."""
+
+
+def picker_config_file(path: Path) -> dict[str, Any]:
+    """The picker configuration of ``--config``: validated as ``kv-picker serve`` would, without
+    the sections the stack supplies (:data:`STACK_SECTIONS`).
+
+    Raises:
+        ConfigError: unreadable or invalid, naming the file and the field.
+    """
+    load_config(path, builtin_registry(include_entry_points=True))
+    document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: the config must be a mapping")
+    return {key: value for key, value in document.items() if key not in STACK_SECTIONS}
+
+
 def run(
     endpoints: int,
     prompt_tokens: int,
@@ -169,15 +196,21 @@ def run(
     event_loop: str = "asyncio",
     processing_modes: Sequence[str] = MODES,
     scraper: str = "process",
+    picker_config: dict[str, Any] | None = None,
 ) -> list[dict[str, object]]:
+    """Measure every path; ``picker_config`` (from :func:`picker_config_file`) replaces the
+    built-in default profile of the picker path (not with ``mode`` precise)."""
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
     precise = mode == "precise"
+    if precise and picker_config is not None:
+        raise ValueError("a picker config and the precise mode exclude each other")
     stack_options: dict[str, Any] = (
         {"picker_config": precise_profile(), "kv_events": True, "tokenizer": TOKENIZER}
         if precise
-        else {"picker_config": {}}
+        else {"picker_config": copy.deepcopy(picker_config or {})}
     )
-    stack_options["picker_config"]["metrics"] = {"scraper": scraper}
+    metrics = stack_options["picker_config"].get("metrics") or {}
+    stack_options["picker_config"]["metrics"] = {**metrics, "scraper": scraper}
     picker_args = ("--event-loop", event_loop)
     with LocalStack(
         sims=endpoints,
@@ -310,8 +343,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="process",
         help="the picker's metrics.scraper: in a child process (the default) or on its loop",
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the picker's configuration (an EndpointPickerConfig YAML) instead of the built-in "
+        "default; its server, endpoints and discovery sections are the stack's",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
+    picker_config = None
+    if args.config is not None:
+        if args.mode == "precise":
+            parser.error("--config and --mode precise exclude each other")
+        try:
+            picker_config = picker_config_file(args.config)
+        except ConfigError as exc:
+            parser.error(f"--config: {exc}")
     try:
         connections = [int(c) for c in args.connections.split(",") if c.strip()]
     except ValueError:
@@ -333,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.event_loop,
         modes,
         args.scraper,
+        picker_config,
     )
     print()
     print(format_rows(rows))

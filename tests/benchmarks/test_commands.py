@@ -155,3 +155,58 @@ def test_overload_benchmark_smoke(tmp_path: Path) -> None:
             step["added_p99_ms"] / report["unloaded_added_p99_ms"]
         )
     assert "| maxPendingRequests | queueDelayTarget |" in result.stdout
+
+
+@pytest.mark.parametrize("model", ["sim-model", "another-model"])
+def test_overhead_benchmark_runs_the_picker_on_the_given_config(tmp_path: Path, model: str) -> None:
+    # With the benchmark's model the picker serves every request on the stack's endpoints (the
+    # file's endpoint is replaced); with only another model every request through the picker gets
+    # a 404, while the direct and floor paths, which never see the config, serve every request.
+    config = tmp_path / "picker.yaml"
+    config.write_text(
+        f"models: [{{name: {model}}}]\n"
+        "endpoints: [{address: 127.0.0.1:9}]\n"
+        "plugins: [{type: random-picker}]\n"
+    )
+    result = kv_picker(
+        "--log-level",
+        "warning",
+        "bench",
+        "overhead",
+        "--endpoints",
+        "2",
+        "--requests",
+        "6",
+        "--connections",
+        "1",
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "200",
+        "--modes",
+        "streamed",
+        "--config",
+        str(config),
+        "--out",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    served = model == "sim-model"
+    assert result.returncode == (0 if served else 1), result.stdout + result.stderr
+    (row,) = json.loads((tmp_path / "overhead.json").read_text())
+    assert row["direct"]["errors"] == 0 and row["floor"]["errors"] == 0
+    assert row["picker"]["requests"] == 6
+    assert row["picker"]["errors"] == (0 if served else 6)
+
+
+def test_overhead_config_errors_name_the_file_and_field(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("plugins: [{type: prefix-cache-scorer, parameters: {blockSizeChars: 0}}]\n")
+    result = kv_picker("bench", "overhead", "--config", str(config), timeout_s=30)
+    assert result.returncode == 2
+    assert "--config" in result.stderr and "bad.yaml" in result.stderr
+    assert "blockSizeChars" in result.stderr
+    precise = kv_picker(
+        "bench", "overhead", "--config", str(config), "--mode", "precise", timeout_s=30
+    )
+    assert precise.returncode == 2 and "exclude each other" in precise.stderr
