@@ -6,6 +6,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,11 +37,9 @@ def test_demo_prints_the_table_and_leaves_no_process() -> None:
     assert processes_with_marker(marker) == []
 
 
-@pytest.mark.parametrize(
-    ("mode", "processing"), [("approximate", "streamed,buffered,gie"), ("precise", "gie")]
-)
-def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) -> None:
-    result = kv_picker(
+def _small_overhead_run(tmp_path: Path, requests: int, connections: str, *args: str) -> Any:
+    """``kv-picker bench overhead`` on 2 endpoints, one round of 200-token prompts."""
+    return kv_picker(
         "--log-level",
         "warning",
         "bench",
@@ -48,21 +47,25 @@ def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) ->
         "--endpoints",
         "2",
         "--requests",
-        "10",
+        str(requests),
         "--connections",
-        "1,2",
+        connections,
         "--rounds",
         "1",
         "--prompt-tokens",
         "200",
-        "--mode",
-        mode,
-        "--modes",
-        processing,
+        *args,
         "--out",
         str(tmp_path),
         timeout_s=180,
     )
+
+
+@pytest.mark.parametrize(
+    ("mode", "processing"), [("approximate", "streamed,buffered,gie"), ("precise", "gie")]
+)
+def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) -> None:
+    result = _small_overhead_run(tmp_path, 10, "1,2", "--mode", mode, "--modes", processing)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads((tmp_path / "overhead.json").read_text())
     modes = processing.split(",")
@@ -168,29 +171,7 @@ def test_overhead_benchmark_runs_the_picker_on_the_given_config(tmp_path: Path, 
         "endpoints: [{address: 127.0.0.1:9}]\n"
         "plugins: [{type: random-picker}]\n"
     )
-    result = kv_picker(
-        "--log-level",
-        "warning",
-        "bench",
-        "overhead",
-        "--endpoints",
-        "2",
-        "--requests",
-        "6",
-        "--connections",
-        "1",
-        "--rounds",
-        "1",
-        "--prompt-tokens",
-        "200",
-        "--modes",
-        "streamed",
-        "--config",
-        str(config),
-        "--out",
-        str(tmp_path),
-        timeout_s=180,
-    )
+    result = _small_overhead_run(tmp_path, 6, "1", "--modes", "streamed", "--config", str(config))
     served = model == "sim-model"
     assert result.returncode == (0 if served else 1), result.stdout + result.stderr
     (row,) = json.loads((tmp_path / "overhead.json").read_text())
