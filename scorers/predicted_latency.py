@@ -44,6 +44,20 @@ keeps each context's decode on the endpoint holding it. The built-in P/D configu
 benchmarks do not set it: on the routing matrix's tuning families it passes more P/D cells per
 draw and one fewer pooled over three draws (``benchmarks/RESULTS.md`` §1).
 
+``decodeTokens`` (0: off) adds the request's own first output tokens to the estimate, each
+step reading the KV in flight on ``e`` plus the request's own prompt:
+
+```
+decode_s(e)   = decodeTokens * (stepSeconds + (F(e) + n(e) + k(e)) / kvReadTokensPerSecond)
+                / c.decode_speed
+```
+
+The time to the first token alone says an endpoint that holds a long context is the place for
+every question about it, however many of those contexts it is already decoding; each of them
+slows every decode step there, so the last requests of a burst finish late. With this term the
+estimate is the time to the ``decodeTokens``-th token, and a busy holder loses to an idle
+endpoint once its slower steps cost more than prefilling the context elsewhere.
+
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
 term, requests whose prompts are cached look free while they wait for a slot (their prefill is
@@ -68,7 +82,7 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 ``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0), ``maxNumSeqs`` (0:
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
-``remotePrefillTokens`` (0: the endpoint prefills every prompt itself).
+``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0).
 """
 
 from __future__ import annotations
@@ -99,6 +113,7 @@ class PredictedLatencyParams:
     maxNumSeqs: Annotated[int, NonNegative] = 0
     outputTokens: Annotated[float, NonNegative] = 256.0
     remotePrefillTokens: Annotated[int, NonNegative] = 0
+    decodeTokens: Annotated[float, NonNegative] = 0.0
 
 
 class PredictedLatencyScorer:
@@ -146,7 +161,21 @@ class PredictedLatencyScorer:
             if excess > 0:
                 life_s = store.request_s[i] or params.outputTokens * step_s
                 slot_s = excess * life_s / params.maxNumSeqs
-        return own_s + steps * step_s + other_s + slot_s + params.transferSecondsPerToken * uncached
+        decode_s = 0.0
+        if params.decodeTokens:
+            # Its own first decode steps, each reading the KV in flight plus its own.
+            decode_s = params.decodeTokens * (
+                (params.stepSeconds + (store.in_flight_tokens[i] + total) * self._read_s)
+                / hardware.decode_speed
+            )
+        return (
+            own_s
+            + steps * step_s
+            + other_s
+            + slot_s
+            + decode_s
+            + params.transferSecondsPerToken * uncached
+        )
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]

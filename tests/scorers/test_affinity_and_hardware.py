@@ -15,7 +15,11 @@ from kv_picker.scorers.session_affinity import (
     encode_session_token,
 )
 from kv_picker.state.endpoints import LoraState
-from kv_picker.state.hardware import HARDWARE_CLASS_LABEL, HardwareTable
+from kv_picker.state.hardware import (
+    BUILTIN_HARDWARE_CLASSES,
+    HARDWARE_CLASS_LABEL,
+    HardwareTable,
+)
 from tests.fakes import make_context, make_request, make_store
 
 
@@ -221,3 +225,38 @@ def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
         "p", dataclasses.replace(params, maxNumSeqs=0), make_context(store)
     )
     assert off.predict_ttft_s(request, full) == pytest.approx(base)
+
+
+def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -> None:
+    # decodeTokens adds the request's first output tokens, each step reading the KV in flight
+    # on the endpoint plus its own prompt, at the class's decode speed: a holder of the context
+    # that is busy decoding long contexts stops looking free.
+    store = classed("H100", "H100", "L4")
+    holder, idle, slow = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=1_000_000,
+        chunkTokens=100_000,
+    )
+    request = make_request("x" * 4 * 10_000)  # 10,000 tokens
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {holder.id: 625})  # all cached there
+    store.in_flight_tokens[holder.id] = 190_000  # 0.2 s per step there
+    ttft = PredictedLatencyScorer("p", params, make_context(store))
+    assert ttft.predict_ttft_s(request, holder) == pytest.approx(0.2)
+    assert ttft.predict_ttft_s(request, idle) == pytest.approx(1.0 + 0.01)
+    assert scores(ttft, store, request)[0] == 1.0
+    with_decode = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, decodeTokens=10), make_context(store)
+    )
+    # holder: 0.2 + 10 * (0.01 + 200,000 / 1e6); idle: 1.01 + 10 * (0.01 + 10,000 / 1e6)
+    assert with_decode.predict_ttft_s(request, holder) == pytest.approx(0.2 + 2.1)
+    assert with_decode.predict_ttft_s(request, idle) == pytest.approx(1.01 + 0.2)
+    # An L4 prefills at its prefill speed and takes each step at its decode speed.
+    l4 = BUILTIN_HARDWARE_CLASSES["L4"]
+    assert with_decode.predict_ttft_s(request, slow) == pytest.approx(
+        1.0 / l4.prefill_speed + 0.01 / l4.decode_speed + 10 * (0.01 + 0.01) / l4.decode_speed
+    )
+    out = scores(with_decode, store, request)
+    assert out[1] == 1.0 and out[0] == pytest.approx(1.21 / 2.3)
