@@ -76,9 +76,11 @@ DEFAULT_SPACE = """\
 # The built-in search space of `kv-picker tune`: the weights of the built-in default profile's
 # four scorers, two scraped load signals it leaves out (tried in and out), and the parameters
 # that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
-# affinity on a lightly loaded pool). predicted-latency-scorer's prefillTokensPerSecond is left
-# out on purpose: when the picker sent all the queued work itself, as in a replay, the rate
-# cancels out of its ranking.
+# affinity on a lightly loaded pool; its ownDecode matters on mixed hardware only;
+# predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
+# long contexts). predicted-latency-scorer's prefillTokensPerSecond is left out on purpose: when
+# the picker sent all the queued work itself, as in a replay, the rate cancels out of its
+# ranking.
 dimensions:
 - {plugin: prefix-cache-scorer, weight: {low: 0, high: 8, step: 0.25}}
 - {plugin: predicted-latency-scorer, weight: {low: 0, high: 8, step: 0.25}}
@@ -96,6 +98,8 @@ dimensions:
   choices: [64, 128, 256, 512, 1024, 2048]
 - {plugin: predicted-latency-scorer, parameter: queuedRequestSeconds, low: 0.01, high: 1.0,
    log: true}
+- {plugin: predicted-latency-scorer, parameter: decodeTokens, choices: [0, 4, 16, 64, 256]}
+- {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 """
 """The built-in space, in the space file format (``kv-picker tune --print-space``)."""
 

@@ -145,6 +145,8 @@ def test_the_default_space_starts_from_the_built_in_default() -> None:
     assert space.base_values["recent-work-scorer.idleShare"] == 0.25
     assert space.base_values["queue-scorer.enabled"] is False
     assert "queue-scorer.weight" not in space.base_values
+    assert space.base_values["active-request-scorer.ownDecode"] is True
+    assert space.base_values["predicted-latency-scorer.decodeTokens"] == 0
     document, chosen = space.build(FixedChooser(space.base_values))
     assert chosen == space.base_values
     registry = harness_registry()
