@@ -2,7 +2,9 @@ import dataclasses
 
 import pytest
 
+from kv_picker.decode import decode
 from kv_picker.endpoint import EndpointId
+from kv_picker.errors import ConfigError
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
 from kv_picker.scorers.load_aware import LoadAwareParams, LoadAwareScorer
@@ -260,3 +262,9 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
     )
     out = scores(with_decode, store, request)
     assert out[1] == 1.0 and out[0] == pytest.approx(1.21 / 2.3)
+
+
+@pytest.mark.parametrize("value", [-1, "many"])
+def test_predicted_latency_decode_tokens_rejects_a_bad_value(value: object) -> None:
+    with pytest.raises(ConfigError, match="decodeTokens"):
+        decode(PredictedLatencyParams, {"decodeTokens": value}, "parameters")
