@@ -10,10 +10,9 @@ stored policies *other than the stored default*, alone: candidates never compete
 other, and each is judged exactly as it would be were it the default. The stored default is
 judged the same way, as the reference row.
 
-Figures are compared at the stored precision (six decimals). The stored matrix judged its
-default on unrounded figures, so where the default tied another policy to the microsecond its
-verdict here can differ from the stored one (on the repository's draw 2, two cells tied with
-the GIE default's TTFT p90 pass here and fail there).
+Figures are compared at the stored precision (six decimals), as the matrix itself judges them
+(:func:`~kv_picker_bench.harness.matrix.run_matrix` rounds each run's figures so): a verdict
+here on the stored default is the stored verdict.
 
 The traces must be the ones the stored matrix replayed: every family's generator spec (and the
 conversation window) is compared with the stored one, and a difference (another
@@ -45,8 +44,7 @@ from kv_picker_bench.harness.matrix import (
     geometric_mean,
     pooled_results,
 )
-from kv_picker_bench.harness.report import PolicyMetrics
-from kv_picker_bench.harness.report import _clean as stored_precision
+from kv_picker_bench.harness.report import PolicyMetrics, at_stored_precision
 
 
 def stored_matrix_path(folder: Path, draw: int, draws: int) -> Path:
@@ -117,7 +115,7 @@ def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> lis
         base = stored[result.cell]
         metrics = dict(base.metrics)
         for name, figures in result.metrics.items():
-            metrics[name] = PolicyMetrics(**stored_precision(figures.to_json()))
+            metrics[name] = at_stored_precision(figures)
         merged.append(replace(base, metrics=metrics))
     return merged
 

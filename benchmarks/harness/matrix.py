@@ -40,9 +40,12 @@ lora, tenants
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,7 +78,13 @@ from kv_picker_bench.harness.policies import (
     pd_variant,
     resolve_policies,
 )
-from kv_picker_bench.harness.report import PolicyMetrics, summarize, write_json
+from kv_picker_bench.harness.report import (
+    PolicyMetrics,
+    at_stored_precision,
+    stored_precision,
+    summarize,
+    write_json,
+)
 from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
 from kv_picker_bench.harness.traces import Trace, parse_trace_spec, slice_trace
 from kv_picker_bench.sim.timing import TIMING_PROFILES, describe_profiles, timing_profile
@@ -372,7 +381,12 @@ def plan_matrix(
 
 
 def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[CellResult]:
-    """Run every job of the plan; results in cell order."""
+    """Run every job of the plan; results in cell order.
+
+    Each cell's figures are kept at the precision ``matrix.json`` stores (six decimals), so the
+    verdicts and tables in the Markdown report are the ones the stored figures give: a TTFT equal to
+    another policy's to the microsecond is a tie, not a loss by float summation order.
+    """
     work = plan.jobs()
     bar = None
     if not quiet:
@@ -405,7 +419,7 @@ def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[Cell
     done.sort(key=lambda item: order[(item[0], item[1].policy)])
     by_cell: dict[Cell, dict[str, PolicyMetrics]] = {cell: {} for cell in plan.cells}
     for cell, metrics in done:
-        by_cell[cell][metrics.policy] = metrics
+        by_cell[cell][metrics.policy] = at_stored_precision(metrics)
     results = []
     for cell in plan.cells:
         trace = plan.traces[cell]
@@ -414,15 +428,20 @@ def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[Cell
             CellResult(
                 cell,
                 summary["requests"],
-                summary["rate_per_s"] or 0.0,
+                stored_precision(summary["rate_per_s"] or 0.0),
                 by_cell[cell],
-                plan.floors[cell].stats(),
-                plan.caches[cell].hit_ratios(),
-                plan.loads[cell].prefill,
-                plan.loads[cell].decode,
+                stored_precision(plan.floors[cell].stats()),
+                stored_precision(plan.caches[cell].hit_ratios()),
+                _stored_float(plan.loads[cell].prefill),
+                _stored_float(plan.loads[cell].decode),
             )
         )
     return results
+
+
+def _stored_float(value: float) -> float:
+    stored = stored_precision(value)
+    return math.nan if stored is None else float(stored)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -493,6 +512,46 @@ def default_verdict(result: CellResult, default: str = DEFAULT_POLICY) -> Verdic
         if ours.output_tokens_per_s < gie.output_tokens_per_s:
             reasons.append("throughput below gie-default")
     return Verdict(not reasons, tuple(reasons))
+
+
+def passing_policies(result: CellResult) -> list[str]:
+    """The policies of the cell that meet the default's bar there, each judged as the default
+    is (against all the others, the GIE default included)."""
+    return [
+        name
+        for name in result.metrics
+        if (verdict := default_verdict(result, name)) is not None and verdict.passed
+    ]
+
+
+def worst_judged_ratio(ratios: Ratios) -> float:
+    """The worst of the three figures the bar judges, as ratios to the cell's best that are
+    >= 1: TTFT mean, TTFT p90, and best throughput over this one's."""
+    inverse = 1 / ratios.throughput if ratios.throughput > 0 else math.inf
+    return max(ratios.ttft_mean, ratios.ttft_p90, inverse)
+
+
+def closest_policy(result: CellResult) -> tuple[str, float]:
+    """The policy whose worst judged ratio (:func:`worst_judged_ratio`) is the smallest, and
+    that ratio: how close any one policy of the run comes to the best of every figure at once.
+
+    The bar compares each figure with the best policy *for that figure*; when the best TTFT
+    and the best throughput belong to different policies, no policy may reach it. Above 1.05,
+    no policy of the run passes the cell on the ratios.
+    """
+    ratios = cell_ratios(result)
+    return min(
+        ((name, worst_judged_ratio(x)) for name, x in ratios.items()), key=lambda item: item[1]
+    )
+
+
+def _who_passes(result: CellResult) -> str:
+    """Markdown: the policies that pass the cell, or the closest one when none does."""
+    passing = passing_policies(result)
+    if passing:
+        return ", ".join(passing)
+    name, worst = closest_policy(result)
+    return f"none (closest: {name}, {worst:.2f}x)"
 
 
 @dataclass(slots=True)
@@ -633,10 +692,21 @@ def markdown_report(title: str, command: str, results: Sequence[CellResult], wal
             "",
         ]
         if failed:
-            lines += ["| cell | split | why |", "|---|---|---|"]
+            nobody = sum(1 for r, _ in failed if not passing_policies(r))
+            lines += [
+                f"In {nobody} of the {len(failed)} cells it fails, no policy of the run passes "
+                "the same bar: the best TTFT and the best throughput belong to different "
+                'policies, and none is within 5% of all of them ("closest": the policy whose '
+                "worst ratio among TTFT mean, p90 and best ÷ throughput is smallest, and that "
+                "ratio).",
+                "",
+                "| cell | split | why | policies that pass |",
+                "|---|---|---|---|",
+            ]
             for r, v in failed:
                 lines.append(
-                    f"| {r.cell.label} | {FAMILIES[r.cell.family].split} | {'; '.join(v.reasons)} |"
+                    f"| {r.cell.label} | {FAMILIES[r.cell.family].split} "
+                    f"| {'; '.join(v.reasons)} | {_who_passes(r)} |"
                 )
     lines += ["", "## Cells", ""]
     for result in results:
@@ -681,6 +751,8 @@ def results_json(
                 "floors": r.floors,
                 "hit_bounds": r.hit_bounds,
                 "default_verdict": _verdict_json(default_verdict(r)),
+                "passing_policies": passing_policies(r),
+                "closest_policy": list(closest_policy(r)),
                 "policies": {name: m.to_json() for name, m in r.metrics.items()},
                 "ratios": {name: _slots(x) for name, x in cell_ratios(r).items()},
             }
@@ -839,6 +911,14 @@ def build_parser() -> argparse.ArgumentParser:
         "candidates on its cells and judge each as the default would be judged, against the "
         "stored policies other than the stored default (against.md, against.json)",
     )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="run nothing: write the reports of a stored matrix (a results folder of this "
+        "command) again from its matrix.json files, with this version's report code "
+        "(give --quick if the stored run was quick)",
+    )
     parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
     parser.add_argument("--title", default="", help="title of the Markdown report")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -864,6 +944,10 @@ def _matrix(argv: Sequence[str]) -> int:
     registry = harness_registry()
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
+    if args.report is not None:
+        if args.against is not None or args.policy:
+            raise UsageError("--report runs nothing: it takes no --against or --policy")
+        return _rewrite_reports(args)
     if args.against is not None:
         return _against(args, argv, draws, families, loads, clusters, timings, policies)
     folder = results_dir(args, "matrix", "matrix")
@@ -904,11 +988,81 @@ def _matrix(argv: Sequence[str]) -> int:
         print(text)
     else:
         text = draws_report(title, command, per_draw)
-        text += f"\nWall time of all draws: {time.perf_counter() - started:.1f} s.\n"
+        wall_s = time.perf_counter() - started
+        text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
-        write_json(folder / "draws.json", draws_json(command, per_draw))
+        write_json(folder / "draws.json", draws_json(command, per_draw, wall_s))
         print(text)
     print(f"results: {folder}")
+    return EXIT_OK
+
+
+def _stored_header(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return {"command": str(data["command"]), "wall_s": float(data["wall_s"]),
+                "draw": int(data["family_seed"])}  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--report: {path} is not a stored matrix: {exc!r}") from None
+
+
+def _stored_total_wall(folder: Path, summed_s: float) -> float:
+    """The whole stored run's wall time: from ``draws.json``, else from the line ``draws.md``
+    ends with (summaries written before ``draws.json`` kept it), else the draws' own, summed."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return float(json.loads((folder / "draws.json").read_text(encoding="utf-8"))["wall_s"])
+    with contextlib.suppress(OSError):
+        text = (folder / "draws.md").read_text(encoding="utf-8")
+        found = re.findall(r"^Wall time of all draws: ([0-9.]+) s\.$", text, re.MULTILINE)
+        if found:
+            return float(found[-1])
+    return summed_s
+
+
+def _rewrite_reports(args: argparse.Namespace) -> int:
+    """``--report DIR``: a stored matrix's reports written again from its ``matrix.json``
+    files (one, or one per ``draw-N/``) by this version's report code. The figures are the
+    stored ones; the verdicts, tables and plots are recomputed from them."""
+    from kv_picker_bench.harness import against
+
+    folder: Path = args.report
+    flat = folder / "matrix.json"
+    if flat.is_file():
+        paths = [flat]
+    else:
+        found = []
+        for path in folder.glob("draw-*/matrix.json"):
+            suffix = path.parent.name.removeprefix("draw-")
+            if suffix.isdigit():
+                found.append((int(suffix), path))
+        paths = [path for _, path in sorted(found)]
+    if not paths:
+        raise UsageError(f"--report: no matrix.json in {folder} or in its draw-N/ folders")
+    title = args.title or "Routing-policy matrix"
+    per_draw: dict[int, list[CellResult]] = {}
+    command = ""
+    total_s = 0.0
+    for path in paths:
+        header = _stored_header(path)
+        draw, wall_s, command = header["draw"], header["wall_s"], header["command"]
+        results = list(against.load_stored(path, draw, args.quick).values())
+        draw_title = title if path == flat else f"{title}, draw {draw}"
+        (path.parent / "matrix.md").write_text(
+            markdown_report(draw_title, command, results, wall_s), encoding="utf-8"
+        )
+        write_json(path, results_json(command, results, wall_s, draw, args.quick))
+        if not args.no_plots:
+            plot_default_heatmap(results, path.parent / "default_heatmap.png")
+            plot_policy_ratios(summarize_policies(results), path.parent / "policy_ratios.png")
+        per_draw[draw] = results
+        total_s += wall_s
+    if path != flat:
+        total_s = _stored_total_wall(folder, total_s)
+        text = draws_report(title, command, per_draw)
+        text += f"\nWall time of all draws: {total_s:.1f} s.\n"
+        (folder / "draws.md").write_text(text, encoding="utf-8")
+        write_json(folder / "draws.json", draws_json(command, per_draw, total_s))
+    print(f"reports written again from the stored figures: {folder}")
     return EXIT_OK
 
 
@@ -1002,7 +1156,9 @@ def parse_family_seeds(text: str) -> list[int]:
 class FamilyDraws:
     """The default's verdicts on one family's cells over several draws.
 
-    ``passed_pooled``: cells the default passes on the draws pooled (:func:`pooled_results`).
+    ``passed_pooled``: cells the default passes on the draws pooled (:func:`pooled_results`);
+    ``nobody_passes_pooled``: cells, pooled, that no policy of the run passes (the default
+    among them fails too).
     """
 
     family: str
@@ -1012,6 +1168,7 @@ class FamilyDraws:
     passed_in_all: int
     failed_in_all: int
     passed_pooled: int = 0
+    nobody_passes_pooled: int = 0
 
 
 def _common_cells(per_draw: Mapping[int, Sequence[CellResult]]) -> list[Cell]:
@@ -1082,7 +1239,9 @@ def family_draws(per_draw: Mapping[int, Sequence[CellResult]]) -> list[FamilyDra
     """
     draws = list(per_draw)
     verdicts: list[dict[Cell, bool]] = []
-    for results in [*per_draw.values(), pooled_results(per_draw)]:
+    pooled = pooled_results(per_draw)
+    nobody = {result.cell for result in pooled if not passing_policies(result)}
+    for results in [*per_draw.values(), pooled]:
         found: dict[Cell, bool] = {}
         for result in results:
             verdict = default_verdict(result)
@@ -1104,6 +1263,7 @@ def family_draws(per_draw: Mapping[int, Sequence[CellResult]]) -> list[FamilyDra
         row.passed_in_all += all(outcomes)
         row.failed_in_all += not any(outcomes)
         row.passed_pooled += verdicts[-1][cell]
+        row.nobody_passes_pooled += cell in nobody
     order = list(FAMILIES)
     return sorted(rows.values(), key=lambda r: order.index(r.family))
 
@@ -1131,8 +1291,8 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
         "",
         "| family | split | cells | "
         + " | ".join(f"pass, draw {d}" for d in draws)
-        + " | pass in all | fail in all | pass, pooled |",
-        "|---|---|---:|" + "---:|" * (len(draws) + 3),
+        + " | pass in all | fail in all | pass, pooled | no policy passes, pooled |",
+        "|---|---|---:|" + "---:|" * (len(draws) + 4),
     ]
 
     def line(name: str, split: str, chosen: list[FamilyDraws]) -> str:
@@ -1142,7 +1302,8 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
             + " | ".join(str(p) for p in passed)
             + f" | {sum(r.passed_in_all for r in chosen)} "
             f"| {sum(r.failed_in_all for r in chosen)} "
-            f"| {sum(r.passed_pooled for r in chosen)} |"
+            f"| {sum(r.passed_pooled for r in chosen)} "
+            f"| {sum(r.nobody_passes_pooled for r in chosen)} |"
         )
 
     for row in rows:
@@ -1152,6 +1313,32 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
         if chosen:
             lines.append(line(f"**{split}**", "", chosen))
     lines.append(line("**all**", "", rows))
+    pooled = pooled_results(per_draw)
+    failed = [
+        (result, verdict)
+        for result in pooled
+        if (verdict := default_verdict(result)) is not None and not verdict.passed
+    ]
+    if failed:
+        lines += [
+            "",
+            f"## The cells the default fails, pooled ({len(failed)})",
+            "",
+            "*Policies that pass*: the policies meeting the same bar on the pooled cell, each "
+            "judged as the default is. Where none does, the best TTFT and the best throughput "
+            "belong to different policies; *closest* is the policy whose worst ratio among TTFT "
+            "mean, p90 and best ÷ throughput is smallest, and that ratio, next to the "
+            "default's.",
+            "",
+            "| cell | split | why | policies that pass | the default's worst ratio |",
+            "|---|---|---|---|---:|",
+        ]
+        for result, verdict in failed:
+            ours = worst_judged_ratio(cell_ratios(result)[DEFAULT_POLICY])
+            lines.append(
+                f"| {result.cell.label} | {FAMILIES[result.cell.family].split} "
+                f"| {'; '.join(verdict.reasons)} | {_who_passes(result)} | {ours:.2f}x |"
+            )
     lines += [
         "",
         "## Each draw: the default against the other policies",
@@ -1179,10 +1366,13 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
     return "\n".join(lines) + "\n"
 
 
-def draws_json(command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> dict[str, Any]:
+def draws_json(
+    command: str, per_draw: Mapping[int, Sequence[CellResult]], wall_s: float = math.nan
+) -> dict[str, Any]:
     pooled = pooled_results(per_draw)
     return {
         "command": command,
+        "wall_s": wall_s,
         "draws": list(per_draw),
         "families": [_slots(row) for row in family_draws(per_draw)],
         "summary": {
@@ -1192,7 +1382,12 @@ def draws_json(command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> di
         "pooled": {
             "summary": [_slots(s) for s in summarize_policies(pooled)],
             "cells": [
-                {**_slots(result.cell), "default_verdict": _verdict_json(default_verdict(result))}
+                {
+                    **_slots(result.cell),
+                    "default_verdict": _verdict_json(default_verdict(result)),
+                    "passing_policies": passing_policies(result),
+                    "closest_policy": list(closest_policy(result)),
+                }
                 for result in pooled
             ],
         },

@@ -281,6 +281,21 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def stored_precision(value: Any) -> Any:
+    """A value (a float, or dicts and lists of them) as :func:`write_json` stores it: floats
+    to six decimals, NaN and infinities as None."""
+    return _clean(value)
+
+
+def at_stored_precision(metrics: PolicyMetrics) -> PolicyMetrics:
+    """The figures as :func:`write_json` stores them (six decimals, NaN as None).
+
+    A verdict on these is the verdict anyone re-reading the stored report gets: two policies
+    whose TTFT p90 differ by float summation order alone are a tie here, as in the file.
+    """
+    return PolicyMetrics(**_clean(metrics.to_json()))
+
+
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(_clean(dict(document)), indent=2) + "\n", encoding="utf-8")
 

@@ -96,6 +96,33 @@ def test_the_verdict_names_every_reason() -> None:
     assert default_verdict(cell_result(metrics("random", 1, 1, 1))) is None  # did not run
 
 
+def test_who_passes_a_cell_and_how_close_the_closest_comes_when_nobody_does() -> None:
+    """The bar takes each figure's best from whichever policy has it: when the fastest TTFT and
+    the highest throughput belong to different policies, nobody may pass."""
+    split = cell_result(
+        metrics("kv-picker", 1.10, 1.0, 95.0),
+        metrics("gie-default", 1.2, 1.2, 80.0),
+        metrics("sglang-cache-aware", 1.0, 1.0, 85.0),
+        metrics("dynamo-cost", 1.3, 1.1, 100.0),
+    )
+    assert matrix.passing_policies(split) == []
+    # worst judged ratios: kv-picker 1.10 (mean); sglang 100/85 = 1.176; dynamo 1.30
+    assert matrix.closest_policy(split) == ("kv-picker", pytest.approx(1.10))
+    one = cell_result(
+        metrics("kv-picker", 1.10, 1.0, 95.0),
+        metrics("gie-default", 1.0, 1.0, 99.0),
+        metrics("random", 2.0, 2.0, 100.0),
+    )
+    assert matrix.passing_policies(one) == ["gie-default"]
+    assert matrix.worst_judged_ratio(cell_ratios(one)["random"]) == 2.0
+    # Within 5% of the best on every figure passes; worse than the GIE default on one does not.
+    near = cell_result(
+        metrics("kv-picker", 1.04, 1.0, 100.0),
+        metrics("gie-default", 1.0, 1.0, 96.0),
+    )
+    assert matrix.passing_policies(near) == ["gie-default"]
+
+
 def test_policy_summaries_take_the_worst_cell() -> None:
     results = [
         cell_result(metrics("kv-picker", 1.0, 1.0, 100), metrics("random", 2.0, 2.0, 50)),
@@ -224,10 +251,49 @@ def test_several_draws_report_each_and_the_verdicts_across_them(tmp_path: Path) 
     assert {s["policy"] for s in summary["pooled"]["summary"]} == {
         "round-robin", "gie-default", "kv-picker"
     }  # fmt: skip
+    for row in summary["families"]:
+        assert 0 <= row["nobody_passes_pooled"] <= row["cells"] - row["passed_pooled"]
+    for cell in summary["pooled"]["cells"]:
+        passing = cell["passing_policies"]
+        assert ("kv-picker" in passing) == cell["default_verdict"]["passed"]
+        assert cell["closest_policy"][0] in {"round-robin", "gie-default", "kv-picker"}
     text = (tmp_path / "draws.md").read_text()
-    assert "| pass, draw 1 | pass, draw 3 | pass in all | fail in all | pass, pooled |" in text
+    assert (
+        "| pass, draw 1 | pass, draw 3 | pass in all | fail in all | pass, pooled "
+        "| no policy passes, pooled |" in text
+    )
     assert "| pooled | " in text
+    assert summary["wall_s"] > 0 and text.endswith(f"draws: {summary['wall_s']:.1f} s.\n")
     assert not (tmp_path / "matrix.json").exists()  # one report per draw, in its folder
+
+
+def test_a_stored_matrix_reports_again_from_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--report DIR`` runs nothing: the stored figures, judged and written by this version's
+    report code, give the same reports, wall times included."""
+    code = matrix.main(
+        ["--quick", "--families", "chat", "--clusters", "small4", "--loads", "0.5",
+         "--timing", "llama-3.1-8b-h100", "--policy", "kv-picker", "--policy", "gie-default",
+         "--family-seed", "1,2", "--out", str(tmp_path), "--quiet", "--jobs", "1",
+         "--no-plots"]
+    )  # fmt: skip
+    assert code == 0
+    reports = [tmp_path / "draws.md", tmp_path / "draws.json", *tmp_path.glob("draw-*/matrix.*")]
+    before = {path: path.read_text() for path in reports}
+    (tmp_path / "draws.md").write_text("stale")
+    (tmp_path / "draw-2" / "matrix.md").unlink()
+    assert matrix.main(["--report", str(tmp_path), "--quick", "--no-plots"]) == 0
+    for path, text in before.items():
+        assert path.read_text() == text, path
+    capsys.readouterr()
+    # Not quick: the stored traces are not the ones this version's generators would draw.
+    assert matrix.main(["--report", str(tmp_path), "--no-plots"]) == 2
+    assert "use the stored run's --family-seed and --quick" in capsys.readouterr().err
+    assert matrix.main(["--report", str(tmp_path / "draw-9"), "--quick"]) == 2
+    assert "no matrix.json" in capsys.readouterr().err
+    assert matrix.main(["--report", str(tmp_path), "--quick", "--policy", "random"]) == 2
+    assert "runs nothing" in capsys.readouterr().err
 
 
 def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
@@ -264,6 +330,20 @@ def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
         assert max(cell["prefill_load"], cell["decode_load"]) == pytest.approx(cell["load"])
         assert min(r["ttft_mean"] for r in cell["ratios"].values()) == pytest.approx(1.0)
         assert cell["default_verdict"] is not None
+        # The stored verdict is the one the stored figures give, to the last tie.
+        stored = CellResult(
+            Cell(cell["family"], cell["load"], cell["cluster"], cell["timing"]),
+            cell["requests"],
+            cell["rate_per_s"],
+            {name: PolicyMetrics(**m) for name, m in cell["policies"].items()},
+            cell["floors"],
+            cell["hit_bounds"],
+        )
+        verdict = default_verdict(stored)
+        assert verdict is not None
+        assert verdict.passed == cell["default_verdict"]["passed"]
+        assert list(verdict.reasons) == cell["default_verdict"]["reasons"]
+        assert cell["passing_policies"] == matrix.passing_policies(stored)
         for policy in cell["policies"].values():  # nobody beats the zero-queue floor
             assert policy["ttft_s"]["mean"] >= cell["floors"]["strict"]["mean"] - 1e-9
     text = (tmp_path / "matrix.md").read_text()
