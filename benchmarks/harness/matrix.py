@@ -775,30 +775,39 @@ def _verdict_json(verdict: Verdict | None) -> dict[str, Any] | None:
 
 
 def plot_default_heatmap(results: Sequence[CellResult], path: Path) -> None:
-    """The default's worst ratio to the best policy per cell (TTFT mean, p90, 1/throughput)."""
+    """The default's worst ratio to the best policy per cell (TTFT mean, p90, best ÷ throughput);
+    a cell no policy passes is marked with an asterisk."""
     from kv_picker_bench.harness.report import _pyplot
 
     plt = _pyplot()
     rows = sorted({(r.cell.family, r.cell.cluster, r.cell.timing) for r in results})
     loads = sorted({r.cell.load for r in results})
     values = [[math.nan] * len(loads) for _ in rows]
+    nobody: set[tuple[int, int]] = set()
     for result in results:
         mine = cell_ratios(result).get(DEFAULT_POLICY)
         if mine is None:
             continue
-        worst = max(mine.ttft_mean, mine.ttft_p90, 1 / mine.throughput if mine.throughput else 9)
         row = rows.index((result.cell.family, result.cell.cluster, result.cell.timing))
-        values[row][loads.index(result.cell.load)] = worst
+        column = loads.index(result.cell.load)
+        values[row][column] = min(worst_judged_ratio(mine), 9.0)
+        if not passing_policies(result):
+            nobody.add((row, column))
     figure, axes = plt.subplots(figsize=(6, 0.28 * len(rows) + 1.5))
     image = axes.imshow(values, aspect="auto", cmap="RdYlGn_r", vmin=1.0, vmax=1.5)
     axes.set_xticks(range(len(loads)), [f"{load:g}" for load in loads])
     axes.set_yticks(range(len(rows)), [" / ".join(row) for row in rows], fontsize=7)
     axes.set_xlabel("offered load (of prefill capacity)")
-    axes.set_title(f"{DEFAULT_POLICY}: worst ratio to the best policy per cell", fontsize=9)
+    axes.set_title(
+        f"{DEFAULT_POLICY}: worst ratio to the best policy per cell\n"
+        "(TTFT mean, p90, best ÷ throughput; * nobody passes)",
+        fontsize=9,
+    )
     for i, row_values in enumerate(values):
         for j, value in enumerate(row_values):
             if not math.isnan(value):
-                axes.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6)
+                mark = "*" if (i, j) in nobody else ""
+                axes.text(j, i, f"{value:.2f}{mark}", ha="center", va="center", fontsize=6)
     figure.colorbar(image, ax=axes, fraction=0.04)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
