@@ -40,6 +40,7 @@ from kv_picker_bench.harness.matrix import (
     cell_ratios,
     conversation_window,
     default_verdict,
+    describe_passing,
     family_spec,
     geometric_mean,
     pooled_results,
@@ -137,6 +138,8 @@ class Judgement:
 
     ``passed``: cells passed per draw; ``pooled``: cells passed with the draws pooled; the
     geometric means and worst ratios are over the pooled cells (throughput as best ÷ this).
+    ``failures``: the pooled cells failed, with the reasons; ``who_passes``: for each of them,
+    the policies of the judged cell that pass it, or the closest one when none does.
     """
 
     policy: str
@@ -150,6 +153,7 @@ class Judgement:
     worst_ttft_p90: tuple[float, str]
     worst_inverse_throughput: tuple[float, str]
     failures: list[tuple[str, list[str]]]
+    who_passes: list[str]
 
 
 def judge(
@@ -179,6 +183,7 @@ def judge(
             (1 / x.throughput if x.throughput > 0 else math.inf, label) for label, x in ratios
         ]
         failures = []
+        who_passes = []
         count = 0
         for result in cells:
             verdict = default_verdict(result, name)
@@ -186,6 +191,7 @@ def judge(
                 count += 1
             elif verdict is not None:
                 failures.append((result.cell.label, list(verdict.reasons)))
+                who_passes.append(describe_passing(result))
         out.append(
             Judgement(
                 name,
@@ -199,6 +205,7 @@ def judge(
                 _worst([(x.ttft_p90, label) for label, x in ratios]),
                 _worst(inverse),
                 failures,
+                who_passes,
             )
         )
     return out
@@ -241,7 +248,10 @@ def against_report(
         if j.split != "all" or not j.failures:
             continue
         lines += ["", f"## {j.policy}: cells failed, pooled ({len(j.failures)})", ""]
-        lines += [f"- {label}: {'; '.join(reasons)}" for label, reasons in j.failures]
+        lines += [
+            f"- {label}: {'; '.join(reasons)} (passed by: {who})"
+            for (label, reasons), who in zip(j.failures, j.who_passes, strict=True)
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -545,7 +545,7 @@ def closest_policy(result: CellResult) -> tuple[str, float]:
     )
 
 
-def _who_passes(result: CellResult) -> str:
+def describe_passing(result: CellResult) -> str:
     """Markdown: the policies that pass the cell, or the closest one when none does."""
     passing = passing_policies(result)
     if passing:
@@ -706,7 +706,7 @@ def markdown_report(title: str, command: str, results: Sequence[CellResult], wal
             for r, v in failed:
                 lines.append(
                     f"| {r.cell.label} | {FAMILIES[r.cell.family].split} "
-                    f"| {'; '.join(v.reasons)} | {_who_passes(r)} |"
+                    f"| {'; '.join(v.reasons)} | {describe_passing(r)} |"
                 )
     lines += ["", "## Cells", ""]
     for result in results:
@@ -1346,7 +1346,7 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
             ours = worst_judged_ratio(cell_ratios(result)[DEFAULT_POLICY])
             lines.append(
                 f"| {result.cell.label} | {FAMILIES[result.cell.family].split} "
-                f"| {'; '.join(verdict.reasons)} | {_who_passes(result)} | {ours:.2f}x |"
+                f"| {'; '.join(verdict.reasons)} | {describe_passing(result)} | {ours:.2f}x |"
             )
     lines += [
         "",

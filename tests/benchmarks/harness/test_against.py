@@ -83,6 +83,7 @@ def test_each_candidate_is_judged_without_the_others_and_without_the_stored_defa
     assert rows["slow"].geo_ttft_mean == pytest.approx(1.04)  # not 2.08: "fast" is not there
     assert rows["slow"].failures == [(cells[1][0].cell.label, [
         "TTFT mean worse than gie-default", "TTFT p90 worse than gie-default"])]  # fmt: skip
+    assert rows["slow"].who_passes == ["gie-default"]  # judged alone: "fast" is not there
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,7 @@ def test_who_passes_a_cell_and_how_close_the_closest_comes_when_nobody_does() ->
     assert matrix.passing_policies(split) == []
     # worst judged ratios: kv-picker 1.10 (mean); sglang 100/85 = 1.176; dynamo 1.30
     assert matrix.closest_policy(split) == ("kv-picker", pytest.approx(1.10))
+    assert matrix.describe_passing(split) == "none (closest: kv-picker, 1.10x)"
     one = cell_result(
         metrics("kv-picker", 1.10, 1.0, 95.0),
         metrics("gie-default", 1.0, 1.0, 99.0),
