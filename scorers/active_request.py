@@ -8,10 +8,19 @@ prefill endpoint too, until its first byte), or their prompt tokens (the KV thei
 read: at the decode endpoint only) with ``unit: tokens``, divided by the endpoint's relative
 decode speed when ``perHardware`` (an A100 decodes 0.61 as fast as an H100, so 6 requests there
 weigh like 10 on an H100), and ``max_n`` the largest among the candidates:
-``n <= idleThreshold`` -> 1.0, else ``1 - n / max(max_n, fullScale)``. Relative to the busiest candidate rather than min-max,
-so one request more than a neighbour costs a little, not everything; and with ``fullScale``, a
-difference counts in full only once the busiest candidate holds that much, so on a lightly
-loaded pool a few requests in flight do not outweigh a cache hit.
+``n <= idleThreshold`` -> 1.0, else ``1 - n / max(max_n, fullScale, promptScale * r)``, ``r``
+the prompt tokens of the request being placed. Relative to the busiest candidate rather than
+min-max, so one request more than a neighbour costs a little, not everything; and with
+``fullScale``, a difference counts in full only once the busiest candidate holds that much, so
+on a lightly loaded pool a few requests in flight do not outweigh a cache hit.
+
+With ``promptScale`` (``unit: tokens`` only) the scale also grows with the request: a
+difference counts in full only once the busiest candidate holds ``promptScale`` times its prompt.
+Moving a 40,000-token question off the endpoint that holds its document recomputes 40,000 tokens
+elsewhere; with ``promptScale: 2`` that happens for a difference in flight of that order (here
+80,000 tokens), not for the first document-sized request in flight, while a short request still
+spreads at ``fullScale``. Without it, one long context in flight exceeds an 8,192-token
+``fullScale`` and every long question after it is spread as if the pool were busy.
 
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count
@@ -36,7 +45,8 @@ prefixes past the pool's decode capacity (``benchmarks/RESULTS.md`` section 1).
 Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (or tokens) in
 flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
 (0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
-with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran).
+with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
+``promptScale`` (0: off; needs ``unit: tokens``).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ class ActiveRequestParams:
     fullScale: Annotated[float, NonNegative] = 0.0
     ownDecode: bool = False
     charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
+    promptScale: Annotated[float, NonNegative] = 0.0
 
 
 class ActiveRequestScorer:
@@ -78,6 +89,9 @@ class ActiveRequestScorer:
         if params.ownDecode and not params.perHardware:
             raise ValueError("ownDecode needs perHardware: true")
         self._own = params.ownDecode
+        self._prompt_scale = params.promptScale
+        if params.promptScale > 0 and params.unit != "tokens":
+            raise ValueError("promptScale needs unit: tokens (it scales by the prompt's tokens)")
         self._tokens = params.unit == "tokens"
         self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
@@ -87,8 +101,7 @@ class ActiveRequestScorer:
         in_flight = self._in_flight
         hardware = self._hardware
         if hardware is None:
-            busiest = max(in_flight[e.id] for e in candidates)
-            span = max(busiest, self._scale)
+            span = self._span(request, max(in_flight[e.id] for e in candidates))
             idle = self._idle
             for i, endpoint in enumerate(candidates):
                 count = in_flight[endpoint.id]
@@ -109,8 +122,14 @@ class ActiveRequestScorer:
         else:
             for endpoint in candidates:
                 loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
-        busiest = max(loads)
-        span = max(busiest, self._scale)
+        span = self._span(request, max(loads))
         idle = self._idle
         for i, load in enumerate(loads):
             out[i] = 1.0 if load <= idle else 1.0 - load / span
+
+    def _span(self, request: LLMRequest, busiest: float) -> float:
+        """The load that counts in full: the busiest candidate's, or the damping scales."""
+        span = max(busiest, self._scale)
+        if self._prompt_scale > 0:
+            span = max(span, self._prompt_scale * prompt_tokens(request, self._chars_per_token))
+        return span

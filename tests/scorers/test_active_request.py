@@ -143,3 +143,44 @@ def test_own_decode_without_per_hardware_is_a_config_error() -> None:
     }
     with pytest.raises(ConfigError, match=r"active-request-scorer.*ownDecode needs perHardware"):
         make_scheduler(document, make_store(2))
+
+
+@pytest.mark.parametrize("per_hardware", [False, True])
+def test_prompt_scale_damps_spreading_in_proportion_to_the_request_being_placed(
+    per_hardware: bool,
+) -> None:
+    """One document-sized request in flight on the holder: a long question about it is spread
+    only as far as that load compares with twice its own prompt; a short one as before."""
+    store = _classed_store(["H100", "H100"])
+    store.in_flight_tokens[:2] = [40_000, 0]  # type: ignore[attr-defined]
+    params = ActiveRequestParams(
+        unit="tokens", perHardware=per_hardware, fullScale=8192, promptScale=2
+    )
+    scorer = ActiveRequestScorer("a", params, make_context(store))  # type: ignore[arg-type]
+    plain = ActiveRequestScorer(
+        "a", ActiveRequestParams(unit="tokens", perHardware=per_hardware, fullScale=8192),
+        make_context(store),  # type: ignore[arg-type]
+    )  # fmt: skip
+    long_question = make_request("x" * 160_000)  # 40,000 tokens: the scale is 80,000
+    short_question = make_request("x" * 400)  # 100 tokens: the busiest's 40,000 sets the scale
+    for request, expected, without in (
+        (long_question, [0.5, 1.0], [0.0, 1.0]),
+        (short_question, [0.0, 1.0], [0.0, 1.0]),
+    ):
+        out, base = [0.0, 0.0], [0.0, 0.0]
+        scorer.score(request, store.all(), out)  # type: ignore[attr-defined]
+        plain.score(request, store.all(), base)  # type: ignore[attr-defined]
+        assert out == pytest.approx(expected) and base == pytest.approx(without)
+
+
+def test_prompt_scale_needs_tokens() -> None:
+    document = {
+        "plugins": [
+            {"type": "active-request-scorer", "parameters": {"promptScale": 2}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"active-request-scorer.*promptScale needs unit: tokens"):
+        make_scheduler(document, make_store(2))
+    with pytest.raises(ConfigError, match="promptScale"):
+        decode(ActiveRequestParams, {"unit": "tokens", "promptScale": -1}, "parameters")
