@@ -76,7 +76,8 @@ DEFAULT_SPACE = """\
 # The built-in search space of `kv-picker tune`: the weights of the built-in default profile's
 # four scorers, two scraped load signals it leaves out (tried in and out), and the parameters
 # that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
-# affinity on a lightly loaded pool; its ownDecode matters on mixed hardware only;
+# affinity on a lightly loaded pool, its promptScale the same for long requests in proportion to
+# their size; its ownDecode matters on mixed hardware only;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts). predicted-latency-scorer's prefillTokensPerSecond is left out on purpose: when
 # the picker sent all the queued work itself, as in a replay, the rate cancels out of its
@@ -100,6 +101,7 @@ dimensions:
    log: true}
 - {plugin: predicted-latency-scorer, parameter: decodeTokens, choices: [0, 4, 16, 64, 256]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
+- {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
 """
 """The built-in space, in the space file format (``kv-picker tune --print-space``)."""
 
