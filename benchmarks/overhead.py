@@ -43,7 +43,12 @@ from typing import Any
 
 import yaml
 
-from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE, parse_config_text
+from kv_picker.config import (
+    DEFAULT_PLUGINS,
+    DEFAULT_PROFILE,
+    parse_config_text,
+    read_config_text,
+)
 from kv_picker.errors import ConfigError
 from kv_picker.plugins import builtin_registry
 from kv_picker.wire import DESTINATION_HEADER
@@ -178,13 +183,7 @@ def picker_config_file(path: Path) -> dict[str, Any]:
     Raises:
         ConfigError: unreadable or invalid, naming the file and the field.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
-    # One read: the text validated is the text used.
+    text = read_config_text(path)  # one read: the text validated is the text used
     parse_config_text(text, builtin_registry(include_entry_points=True), source=str(path))
     document = yaml.safe_load(text) or {}
     if not isinstance(document, dict):

@@ -602,6 +602,23 @@ class _Document:
 # -- loading ----------------------------------------------------------------------------------
 
 
+def read_config_text(path: str | Any) -> str:
+    """A config file's text.
+
+    Raises:
+        ConfigError: unreadable or not UTF-8, naming the file.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
+
+
 def load_config(path: str | Any, registry: Registry) -> PickerConfig:
     """Read and validate a config file.
 
@@ -610,14 +627,7 @@ def load_config(path: str | Any, registry: Registry) -> PickerConfig:
     """
     from pathlib import Path
 
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
-    return parse_config_text(text, registry, source=str(path))
+    return parse_config_text(read_config_text(path), registry, source=str(Path(path)))
 
 
 def parse_config_text(text: str, registry: Registry, source: str = "<text>") -> PickerConfig:
