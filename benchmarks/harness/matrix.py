@@ -1359,7 +1359,7 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
         "|---|---|---|---|---|---|",
     ]
     labelled: list[tuple[str, Sequence[CellResult]]] = [(str(d), per_draw[d]) for d in draws]
-    for label, results in [*labelled, ("pooled", pooled_results(per_draw))]:
+    for label, results in [*labelled, ("pooled", pooled)]:
         summaries = summarize_policies(results)
         mine = next((s for s in summaries if s.policy == DEFAULT_POLICY), None)
         others = [s for s in summaries if s.policy != DEFAULT_POLICY]
