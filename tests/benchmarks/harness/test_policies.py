@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,7 +180,7 @@ def test_pd_variant_gives_each_side_its_own_plugins() -> None:
 PROFILES = Path(__file__).parents[3] / "benchmarks" / "profiles"
 
 
-def _parsed(item: str) -> tuple[object, object]:
+def _parsed(item: str) -> tuple[Any, list[tuple[str, str, Any]]]:
     config = resolve_policy(item).config(harness_registry())
     return config.profiles, [(p.name, p.type, p.params) for p in config.plugins]
 
@@ -190,18 +191,27 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_own_decode_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/own-decode*/) are the present
+def test_the_prompt_scale_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/prompt-scale/) are the present
     # default's: the file must not drift from it. The profiles of the defaults before it differ
-    # from it by one parameter, and then by one scorer.
-    assert _parsed(f"c={PROFILES / 'own-decode.yaml'}") == _parsed("kv-picker")
-    recent_profiles, recent_plugins = _parsed(f"r={PROFILES / 'recent-work.yaml'}")
+    # from it by one parameter each (promptScale, then ownDecode), and then by one scorer.
+    assert _parsed(f"c={PROFILES / 'prompt-scale.yaml'}") == _parsed("kv-picker")
     default_profiles, default_plugins = _parsed("kv-picker")
-    assert recent_profiles == default_profiles
-    changed = [(a, b) for a, b in zip(recent_plugins, default_plugins, strict=True) if a != b]
-    assert len(changed) == 1
-    (_, kind, before), (_, _, after) = changed[0]
-    assert kind == "active-request-scorer"
+    own_profiles, own_plugins = _parsed(f"o={PROFILES / 'own-decode.yaml'}")
+    recent_profiles, recent_plugins = _parsed(f"r={PROFILES / 'recent-work.yaml'}")
+    assert own_profiles == recent_profiles == default_profiles
+
+    def one_change(before: list[Any], after: list[Any]) -> tuple[Any, Any]:
+        changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+        assert len(changed) == 1
+        (_, kind, old), (_, _, new) = changed[0]
+        assert kind == "active-request-scorer"
+        return old, new
+
+    before, after = one_change(own_plugins, default_plugins)
+    assert (before.promptScale, after.promptScale) == (0, 2)
+    assert replace(after, promptScale=0) == before
+    before, after = one_change(recent_plugins, own_plugins)
     assert (before.ownDecode, after.ownDecode) == (False, True)
     assert replace(after, ownDecode=False) == before
     _, before_plugins = _parsed(f"b={PROFILES / 'default-before-recent-work.yaml'}")
