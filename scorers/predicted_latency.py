@@ -58,6 +58,21 @@ slows every decode step there, so the last requests of a burst finish late. With
 estimate is the time to the ``decodeTokens``-th token, and a busy holder loses to an idle
 endpoint once its slower steps cost more than prefilling the context elsewhere.
 
+``missCost`` (0: off) prices what a request's uncached prompt costs the requests already on
+the endpoint. Every one of them waits while it is computed: a queued request starts that much
+later, and a running one's decode steps carry the prompt's chunks. So the score ranks
+
+```
+cost(e)       = ttft(e) + missCost * I(e) * own_work_s(e)
+```
+
+with ``own_work_s(e)`` = ``work(n(e), k(e)) / c.prefill_speed`` (0 under ``remotePrefillTokens``
+when a prefill endpoint computes it). At light load ``I`` is small and the fastest first token
+wins; on a full endpoint a cached request stays where a miss elsewhere would slow a whole batch.
+On the routing matrix's tuning families, at 0.2 and 1 and with the in-flight scorer's weight
+halved or not, it passed fewer cells than the default every time (``benchmarks/RESULTS.md``
+section 1): the default does not set it.
+
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
 term, requests whose prompts are cached look free while they wait for a slot (their prefill is
@@ -82,7 +97,8 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 ``transferSecondsPerToken`` (0: no transfer term), ``charsPerToken`` (4.0), ``maxNumSeqs`` (0:
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
-``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0).
+``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
+``missCost`` (0).
 """
 
 from __future__ import annotations
@@ -114,6 +130,7 @@ class PredictedLatencyParams:
     outputTokens: Annotated[float, NonNegative] = 256.0
     remotePrefillTokens: Annotated[int, NonNegative] = 0
     decodeTokens: Annotated[float, NonNegative] = 0.0
+    missCost: Annotated[float, NonNegative] = 0.0
 
 
 class PredictedLatencyScorer:
@@ -177,8 +194,27 @@ class PredictedLatencyScorer:
             + params.transferSecondsPerToken * uncached
         )
 
+    def own_work_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
+        """``own_work_s(e)``: the seconds ``endpoint`` would spend computing this request's
+        uncached prompt (0 when a prefill endpoint computes it under ``remotePrefillTokens``)."""
+        total = prompt_tokens(request, self.params.charsPerToken)
+        cached = min(cached_tokens(request, endpoint.id), total)
+        uncached = total - cached
+        remote = self.params.remotePrefillTokens
+        if remote and uncached >= remote:
+            return 0.0
+        work_s = uncached * self._token_s + uncached * (cached + uncached / 2) * self._pair_s
+        return work_s / self._hardware.of(endpoint.labels).prefill_speed
+
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
+        miss_cost = self.params.missCost
+        if miss_cost:
+            in_flight = self._store.in_flight
+            for i, endpoint in enumerate(candidates):
+                predictions[i] += (
+                    miss_cost * in_flight[endpoint.id] * self.own_work_s(request, endpoint)
+                )
         best = min(predictions)
         for i, predicted in enumerate(predictions):
             out[i] = best / predicted

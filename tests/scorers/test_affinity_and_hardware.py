@@ -268,3 +268,50 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
 def test_predicted_latency_decode_tokens_rejects_a_bad_value(value: object) -> None:
     with pytest.raises(ConfigError, match="decodeTokens"):
         decode(PredictedLatencyParams, {"decodeTokens": value}, "parameters")
+
+
+def test_predicted_latency_miss_cost_prices_the_wait_a_miss_imposes_on_its_endpoint() -> None:
+    # missCost adds missCost * I(e) * own_work_s(e) to the ranking: every request in flight on
+    # an endpoint waits while a miss there is computed. A holder with a short queue keeps the
+    # request once the batch a miss elsewhere would slow is large enough.
+    store = classed("H100", "H100", "L4")
+    holder, busy, slow = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0,
+        kvReadTokensPerSecond=0,
+    )
+    request = make_request("x" * 4 * 10_000)  # 10,000 tokens, 1 s to compute on an H100
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {holder.id: 625})  # all cached there
+    store.add_prefill(holder.id, 15_000)  # 1.5 s queued on the holder
+    store.in_flight[busy.id] = 40
+    store.in_flight[slow.id] = 40
+    plain = PredictedLatencyScorer("p", params, make_context(store))
+    assert [plain.own_work_s(request, e) for e in (holder, busy)] == pytest.approx([0.0, 1.0])
+    l4 = BUILTIN_HARDWARE_CLASSES["L4"]
+    assert plain.own_work_s(request, slow) == pytest.approx(1.0 / l4.prefill_speed)
+    # Alone, the first token is sooner on the endpoint that computes it all (1 s against 1.5 s).
+    assert scores(plain, store, request)[1] == 1.0
+    priced = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, missCost=0.05), make_context(store)
+    )
+    out = scores(priced, store, request)
+    # busy: 1 + 0.05 * 40 * 1 = 3 s against the holder's 1.5 s.
+    assert out[0] == 1.0 and out[1] == pytest.approx(1.5 / 3.0)
+    assert out[2] == pytest.approx(1.5 / ((1.0 + 0.05 * 40 * 1.0) / l4.prefill_speed))
+    # Nothing in flight: nothing to slow, the plain estimate.
+    store.in_flight[busy.id] = store.in_flight[slow.id] = 0
+    assert scores(priced, store, request) == pytest.approx(scores(plain, store, request))
+    # A request computed on a prefill endpoint (remotePrefillTokens) costs a decode endpoint
+    # no prefill.
+    remote = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, remotePrefillTokens=1000), make_context(store)
+    )
+    assert remote.own_work_s(request, busy) == 0.0
+
+
+@pytest.mark.parametrize("value", [-0.1, "high"])
+def test_predicted_latency_miss_cost_rejects_a_bad_value(value: object) -> None:
+    with pytest.raises(ConfigError, match="missCost"):
+        decode(PredictedLatencyParams, {"missCost": value}, "parameters")
