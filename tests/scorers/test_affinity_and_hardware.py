@@ -229,21 +229,26 @@ def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
     assert off.predict_ttft_s(request, full) == pytest.approx(base)
 
 
+def cached_on_first_of(*classes: str, **params: float):  # type: ignore[no-untyped-def]
+    """A store of ``classes``, linear-only latency parameters at 10,000 prefill tokens/s (plus
+    ``params``), and a 10,000-token request the first endpoint holds whole."""
+    store = classed(*classes)
+    latency = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000, attentionCrossoverTokens=0, **params
+    )
+    request = make_request("x" * 4 * 10_000)  # 10,000 tokens
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {store.all()[0].id: 625})
+    return store, latency, request
+
+
 def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -> None:
     # decodeTokens adds the request's first output tokens, each step reading the KV in flight
     # on the endpoint plus its own prompt, at the class's decode speed: a holder of the context
     # that is busy decoding long contexts stops looking free.
-    store = classed("H100", "H100", "L4")
-    holder, idle, slow = store.all()
-    params = PredictedLatencyParams(
-        prefillTokensPerSecond=10_000,
-        attentionCrossoverTokens=0,
-        stepSeconds=0.01,
-        kvReadTokensPerSecond=1_000_000,
-        chunkTokens=100_000,
+    store, params, request = cached_on_first_of(
+        "H100", "H100", "L4", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
     )
-    request = make_request("x" * 4 * 10_000)  # 10,000 tokens
-    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {holder.id: 625})  # all cached there
+    holder, idle, slow = store.all()
     store.in_flight_tokens[holder.id] = 190_000  # 0.2 s per step there
     ttft = PredictedLatencyScorer("p", params, make_context(store))
     assert ttft.predict_ttft_s(request, holder) == pytest.approx(0.2)
@@ -264,26 +269,24 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
     assert out[1] == 1.0 and out[0] == pytest.approx(1.21 / 2.3)
 
 
-@pytest.mark.parametrize("value", [-1, "many"])
-def test_predicted_latency_decode_tokens_rejects_a_bad_value(value: object) -> None:
-    with pytest.raises(ConfigError, match="decodeTokens"):
-        decode(PredictedLatencyParams, {"decodeTokens": value}, "parameters")
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("decodeTokens", -1), ("decodeTokens", "many"), ("missCost", -0.1), ("missCost", "high")],
+)
+def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=name):
+        decode(PredictedLatencyParams, {name: value}, "parameters")
 
 
 def test_predicted_latency_miss_cost_prices_the_wait_a_miss_imposes_on_its_endpoint() -> None:
     # missCost adds missCost * I(e) * own_work_s(e) to the ranking: every request in flight on
     # an endpoint waits while a miss there is computed. A holder with a short queue keeps the
     # request once the batch a miss elsewhere would slow is large enough.
-    store = classed("H100", "H100", "L4")
-    holder, busy, slow = store.all()
-    params = PredictedLatencyParams(
-        prefillTokensPerSecond=10_000,
-        attentionCrossoverTokens=0,
-        stepSeconds=0,
-        kvReadTokensPerSecond=0,
+    # 10,000 tokens, 1 s to compute on an H100; all cached on the first.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", "L4", stepSeconds=0, kvReadTokensPerSecond=0
     )
-    request = make_request("x" * 4 * 10_000)  # 10,000 tokens, 1 s to compute on an H100
-    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {holder.id: 625})  # all cached there
+    holder, busy, slow = store.all()
     store.add_prefill(holder.id, 15_000)  # 1.5 s queued on the holder
     store.in_flight[busy.id] = 40
     store.in_flight[slow.id] = 40
@@ -309,9 +312,3 @@ def test_predicted_latency_miss_cost_prices_the_wait_a_miss_imposes_on_its_endpo
         "p", dataclasses.replace(params, remotePrefillTokens=1000), make_context(store)
     )
     assert remote.own_work_s(request, busy) == 0.0
-
-
-@pytest.mark.parametrize("value", [-0.1, "high"])
-def test_predicted_latency_miss_cost_rejects_a_bad_value(value: object) -> None:
-    with pytest.raises(ConfigError, match="missCost"):
-        decode(PredictedLatencyParams, {"missCost": value}, "parameters")
