@@ -36,11 +36,31 @@ def test_request_reaches_the_picked_endpoint_not_the_client_header(
     assert f'kv_picker_picks_total{{endpoint="{zone_b}",profile="default"}} 6.0' in metrics
 
 
+def settle(stack: LocalStack, timeout_s: float = 10.0) -> None:
+    """Wait until the picker's latest scrape of every endpoint shows nothing waiting or in
+    flight. A scrape taken while the previous request waited in the engine says it is still
+    waiting until the next scrape (every 100 ms); on a slow host the next request can be picked
+    in between, and that queue, not the cache, decides where it goes."""
+    gauges = ("kv_picker_endpoint_requests_waiting{", "kv_picker_endpoint_in_flight_requests{")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = [
+            line
+            for line in stack.picker_metrics_text().splitlines()
+            if line.startswith(gauges) and float(line.rsplit(" ", 1)[1]) != 0.0
+        ]
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {busy}"
+        time.sleep(0.05)
+
+
 def test_shared_prefix_sticks_distinct_prefixes_spread(stack: LocalStack) -> None:
     rng = random.Random(1)
     shared = "You are a support agent for ACME. " + words(rng, 600)
     served = set()
     for i in range(8):
+        settle(stack)
         reply = post(stack.url + "/v1/completions", completion(f"{shared}\nQ{i}: {words(rng, 10)}"))
         assert reply.status == 200, reply.body
         served.add(reply.headers[SERVED_BY])
