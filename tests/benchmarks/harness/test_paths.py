@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kv_picker_bench.harness import paths
 from kv_picker_bench.harness.args import record_command
 from kv_picker_bench.harness.cli import replay_main
 from kv_picker_bench.harness.paths import (
@@ -168,6 +169,17 @@ def test_this_checkout_is_the_repository_root() -> None:
     assert (root / "benchmarks" / "harness" / "paths.py").is_file()
 
 
+@pytest.fixture
+def checkout_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The repository root seen by the harness, in a folder of its own under ``tmp_path``: a
+    checkout whose parent folder holds the temporary folders (one cloned into /tmp) would
+    otherwise record them relative to itself, as it records ../shared/traces."""
+    root = tmp_path / "checkout" / "repo"
+    monkeypatch.setattr(paths, "repository_root", lambda: root)
+    return root
+
+
+@pytest.mark.usefixtures("checkout_elsewhere")
 def test_command_txt_names_no_absolute_path(tmp_path: Path) -> None:
     argv = ["--trace", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "run")]
     text = record_command(tmp_path, "replay", argv)
@@ -176,6 +188,7 @@ def test_command_txt_names_no_absolute_path(tmp_path: Path) -> None:
     assert recorded == f"{text}\n# paths are relative to the repository root\n"
 
 
+@pytest.mark.usefixtures("checkout_elsewhere")
 def test_replay_by_short_name_records_no_absolute_path(
     layout: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
