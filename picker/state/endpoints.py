@@ -16,6 +16,8 @@ in_flight: 2          0          0          requests routed here and not yet fin
 prefill_tokens: 5200.0  0.0     0.0        uncached prompt tokens sent here whose prefill has
                                             not finished (no response byte yet): queued work
 prefill_requests: 1     0       0          how many requests those tokens belong to
+scraped_prefill_requests: 1 0   0          prefill_requests when the last scrape was recorded
+                                            (the own requests the scraped waiting can count)
 prefill_pairs: 2.6e7  0.0       0.0        their attention work: sum of n * (c + n / 2) over those
                                             requests (n uncached tokens after c cached ones)
 in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
@@ -92,6 +94,9 @@ class EndpointStore:
         self.in_flight: list[int] = []
         self.prefill_tokens: list[float] = []
         self.prefill_requests: list[int] = []
+        # prefill_requests as of the last good scrape: which of the scraped waiting requests
+        # can be this picker's own stays fixed until the next scrape, like the count itself.
+        self.scraped_prefill_requests: list[int] = []
         self.prefill_pairs: list[float] = []
         self.in_flight_tokens: list[float] = []
         # Prefill work sent here lately, decayed (see recent_prefill) as of recent_s.
@@ -183,6 +188,7 @@ class EndpointStore:
             self.in_flight.append(0)
             self.prefill_tokens.append(0.0)
             self.prefill_requests.append(0)
+            self.scraped_prefill_requests.append(0)
             self.prefill_pairs.append(0.0)
             self.in_flight_tokens.append(0.0)
             self.recent_tokens.append(0.0)
@@ -203,6 +209,7 @@ class EndpointStore:
         self.in_flight[endpoint_id] = 0
         self.prefill_tokens[endpoint_id] = 0.0
         self.prefill_requests[endpoint_id] = 0
+        self.scraped_prefill_requests[endpoint_id] = 0
         self.prefill_pairs[endpoint_id] = 0.0
         self.in_flight_tokens[endpoint_id] = 0.0
         self.recent_tokens[endpoint_id] = 0.0
@@ -259,6 +266,7 @@ class EndpointStore:
             self.block_size_tokens[endpoint_id] = block_size_tokens
         if num_gpu_blocks:
             self.num_gpu_blocks[endpoint_id] = num_gpu_blocks
+        self.scraped_prefill_requests[endpoint_id] = self.prefill_requests[endpoint_id]
         self.scraped_s[endpoint_id] = self._clock()
         self.set_ready(endpoint_id, True)
 

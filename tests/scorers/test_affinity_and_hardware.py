@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from kv_picker.decode import decode
-from kv_picker.endpoint import EndpointId
+from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.errors import ConfigError
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
@@ -271,7 +271,13 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("decodeTokens", -1), ("decodeTokens", "many"), ("missCost", -0.1), ("missCost", "high")],
+    [
+        ("decodeTokens", -1),
+        ("decodeTokens", "many"),
+        ("missCost", -0.1),
+        ("missCost", "high"),
+        ("ownWaitingAtScrape", "yes"),
+    ],
 )
 def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
     with pytest.raises(ConfigError, match=name):
@@ -312,3 +318,47 @@ def test_predicted_latency_miss_cost_prices_the_wait_a_miss_imposes_on_its_endpo
         "p", dataclasses.replace(params, remotePrefillTokens=1000), make_context(store)
     )
     assert remote.own_work_s(request, busy) == 0.0
+
+
+def test_predicted_latency_own_waiting_at_scrape_matches_the_count_to_its_own_time() -> None:
+    # The scraped waiting count stays until the next scrape; the picker's own queue moves on.
+    # ownWaitingAtScrape subtracts the own requests queued when the scrape was recorded.
+    store = make_store(2)
+    finished, routed = store.all()
+    plain = PredictedLatencyParams(
+        prefillTokensPerSecond=1000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0,
+        kvReadTokensPerSecond=0,
+        queuedRequestSeconds=0.5,
+    )
+    at_scrape = dataclasses.replace(plain, ownWaitingAtScrape=True)
+    now = PredictedLatencyScorer("p", plain, make_context(store))
+    then = PredictedLatencyScorer("p", at_scrape, make_context(store))
+    request = make_request("x" * 400)  # 100 tokens: 0.1 s anywhere
+    # An own request was waiting when the scrape was taken, and has its first byte since.
+    store.add_prefill(finished.id, 1000)
+    store.update_metrics(finished.id, waiting=1, running=0, kv_usage=0)
+    assert store.scraped_prefill_requests[finished.id] == 1
+    store.prefill_done(finished.id, 1000)
+    assert now.predict_ttft_s(request, finished) == pytest.approx(0.1 + 0.5)  # the phantom
+    assert then.predict_ttft_s(request, finished) == pytest.approx(0.1)
+    # Somebody else's request was waiting at the scrape; an own one was routed since, which
+    # the count cannot include yet.
+    store.update_metrics(routed.id, waiting=1, running=0, kv_usage=0)
+    store.add_prefill(routed.id, 1000)
+    assert now.predict_ttft_s(request, routed) == pytest.approx(1.0 + 0.1)  # hidden
+    assert then.predict_ttft_s(request, routed) == pytest.approx(1.0 + 0.1 + 0.5)
+    # The next scrape sees the own request routed since and nothing else.
+    for endpoint in (finished, routed):
+        store.update_metrics(endpoint.id, waiting=endpoint is routed, running=0, kv_usage=0)
+    assert store.scraped_prefill_requests == [0, 1]
+    for scorer in (now, then):
+        assert [scorer.predict_ttft_s(request, e) for e in (finished, routed)] == pytest.approx(
+            [0.1, 1.1]
+        )
+    # An endpoint that takes a removed one's id starts with no own requests at a scrape.
+    store.set_endpoints([EndpointSpec(finished.address)])
+    store.set_endpoints([EndpointSpec(finished.address), EndpointSpec("10.0.0.9:8000")])
+    assert store.by_address["10.0.0.9:8000"].id == routed.id
+    assert store.scraped_prefill_requests[routed.id] == 0
