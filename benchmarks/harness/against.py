@@ -138,6 +138,10 @@ class Judgement:
 
     ``passed``: cells passed per draw; ``pooled``: cells passed with the draws pooled; the
     geometric means and worst ratios are over the pooled cells (throughput as best ÷ this).
+    ``versus_default``: the geometric means over the same cells of this policy's TTFT mean,
+    TTFT p90 and 1 ÷ throughput each divided by the stored default's (below 1: better than
+    it); a verdict counts cells, this says by how much a candidate gains or loses where both
+    pass or both fail. ``None`` when the stored matrix has no default.
     ``failures``: the pooled cells failed, with the reasons; ``who_passes``: for each of them,
     the policies of the judged cell that pass it, or the closest one when none does.
     """
@@ -154,6 +158,7 @@ class Judgement:
     worst_inverse_throughput: tuple[float, str]
     failures: list[tuple[str, list[str]]]
     who_passes: list[str]
+    versus_default: tuple[float, float, float] | None
 
 
 def judge(
@@ -165,6 +170,7 @@ def judge(
         for draw, results in per_draw.items()
     }
     pooled = pooled_results(alone)
+    everyone = {result.cell: result for result in pooled_results(per_draw)}
     out = []
     for split in (TUNING, HELD_OUT, "all"):
 
@@ -206,9 +212,30 @@ def judge(
                 _worst(inverse),
                 failures,
                 who_passes,
+                _versus_default([everyone[r.cell] for r in cells], name),
             )
         )
     return out
+
+
+def _versus_default(cells: Sequence[CellResult], name: str) -> tuple[float, float, float] | None:
+    """Geometric means of ``name``'s TTFT mean, TTFT p90 and 1 ÷ throughput over the stored
+    default's, over ``cells`` (all policies, pooled)."""
+    if not cells or any(DEFAULT_POLICY not in r.metrics for r in cells):
+        return None
+    mean, p90, inverse = [], [], []
+    for result in cells:
+        mine, default = result.metrics[name], result.metrics[DEFAULT_POLICY]
+        mean.append(_ratio(mine.ttft_s["mean"], default.ttft_s["mean"]))
+        p90.append(_ratio(mine.ttft_s["p90"], default.ttft_s["p90"]))
+        inverse.append(_ratio(default.output_tokens_per_s, mine.output_tokens_per_s))
+    return geometric_mean(mean), geometric_mean(p90), geometric_mean(inverse)
+
+
+def _ratio(value: float, reference: float) -> float:
+    if reference > 0:
+        return value / reference
+    return 1.0 if value == reference else math.inf
 
 
 def _worst(items: Sequence[tuple[float, str]]) -> tuple[float, str]:
@@ -228,18 +255,23 @@ def against_report(
         "policy by the default's bar against the stored policies other than the stored default "
         f"(`{DEFAULT_POLICY}`, judged the same way in the first rows), never against another "
         "candidate. Pooled: the draws taken together (see `draws.md` of a matrix run). "
-        "Geometric means and worst cells are over the pooled cells; throughput as best ÷ this.",
+        "Geometric means and worst cells are over the pooled cells; throughput as best ÷ this. "
+        "*Against the default*: the geometric means of this policy's TTFT mean, TTFT p90 and "
+        "1÷throughput over the stored default's, cell by cell (below 1: better than it), "
+        "the margins the verdicts do not count.",
         "",
         "| policy | split | cells | pass, "
         + " / ".join(f"draw {d}" for d in draws)
-        + " | pass, pooled | geo mean ratio: TTFT mean / p90 | worst TTFT mean | worst TTFT p90 "
-        "| worst 1÷throughput |",
-        "|---|---|---:|---|---:|---|---|---|---|",
+        + " | pass, pooled | geo mean ratio: TTFT mean / p90 "
+        "| against the default: TTFT mean / p90 / 1÷throughput | worst TTFT mean "
+        "| worst TTFT p90 | worst 1÷throughput |",
+        "|---|---|---:|---|---:|---|---|---|---|---|",
     ]
     for j in judgements:
+        versus = " / ".join(f"{x:.4f}" for x in j.versus_default) if j.versus_default else "n/a"
         lines.append(
             f"| {j.policy} | {j.split} | {j.cells} | {' / '.join(map(str, j.passed))} "
-            f"| {j.pooled} | {j.geo_ttft_mean:.3f} / {j.geo_ttft_p90:.3f} "
+            f"| {j.pooled} | {j.geo_ttft_mean:.3f} / {j.geo_ttft_p90:.3f} | {versus} "
             f"| {j.worst_ttft_mean[0]:.2f} ({j.worst_ttft_mean[1]}) "
             f"| {j.worst_ttft_p90[0]:.2f} ({j.worst_ttft_p90[1]}) "
             f"| {j.worst_inverse_throughput[0]:.2f} ({j.worst_inverse_throughput[1]}) |"
