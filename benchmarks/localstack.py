@@ -636,6 +636,35 @@ class ManagedProcess:
         self._log.close()
 
 
+def sessions_cpu_s(sessions: Sequence[int]) -> dict[int, float] | None:
+    """CPU seconds (user + system) used so far by the processes of each session, from
+    ``/proc``: every live process whose session is one of ``sessions``, plus the children it
+    has already reaped. A :class:`ManagedProcess` leads a session of its own, so this counts a
+    process with everything it started (a picker's scraper and workers, a peer router's
+    threads). ``None`` where ``/proc`` is not there (not Linux)."""
+    wanted = set(sessions)
+    totals = dict.fromkeys(wanted, 0.0)
+    try:
+        entries = os.listdir("/proc")
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                text = stat.read()
+        except OSError:  # gone since the listing
+            continue
+        # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+        fields = text[text.rindex(b")") + 2 :].split()
+        session = int(fields[3])
+        if session in wanted:
+            totals[session] += sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
+    return totals
+
+
 def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
@@ -1001,6 +1030,10 @@ class LocalStack:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
             result[address] = values
         return result
+
+    def sim_processes(self) -> list[ManagedProcess]:
+        """The simulated endpoints' processes."""
+        return [p for p in self.processes if p.name.startswith("sim-")]
 
     def picker_metrics_text(self) -> str:
         _, body = http_get(f"http://127.0.0.1:{self.picker_metrics_port}/metrics", timeout_s=5.0)

@@ -74,7 +74,14 @@ from kv_picker_bench.harness.report import (
     write_json,
 )
 from kv_picker_bench.harness.traces import Trace, prompt_text
-from kv_picker_bench.localstack import LocalStack, ManagedProcess, SimSpec, free_port, http_get
+from kv_picker_bench.localstack import (
+    LocalStack,
+    ManagedProcess,
+    SimSpec,
+    free_port,
+    http_get,
+    sessions_cpu_s,
+)
 from kv_picker_bench.workloads import WorkloadRequest
 
 # Explicit, as peers.md §1.9 advises: the defaults differ between versions.
@@ -229,23 +236,69 @@ def summarize_live(
     return LiveRun(metrics, ttft, e2e)
 
 
+# The CPU each part of a run used, in ``extra``: every process shares this host's cores, so a
+# router that costs more CPU slows the endpoints and the client too (``live_cpu_table``).
+CPU_PARTS = (
+    ("router_cpu_s", "router"),
+    ("endpoints_cpu_s", "simulated endpoints"),
+    ("client_cpu_s", "client"),
+)
+
+
+class _CpuClock:
+    """CPU seconds of the router's processes, the endpoints' and this client's, since start."""
+
+    def __init__(self, router: Sequence[ManagedProcess], endpoints: Sequence[ManagedProcess]):
+        self._groups = [[p.process.pid for p in router], [p.process.pid for p in endpoints]]
+        # With more than one router process (the picker and Envoy), each one's share too.
+        self._parts = [(f"router_cpu_s.{p.name}", p.process.pid) for p in router]
+        if len(self._parts) < 2:
+            self._parts = []
+        self._start = self._read()
+
+    def _read(self) -> dict[str, float] | None:
+        sessions = sessions_cpu_s([pid for group in self._groups for pid in group])
+        if sessions is None:
+            return None
+        own = os.times()
+        totals = [sum(sessions[pid] for pid in group) for group in self._groups]
+        values = [*totals, own.user + own.system]
+        out = dict(zip((key for key, _ in CPU_PARTS), values, strict=True))
+        out.update((key, sessions[pid]) for key, pid in self._parts)
+        return out
+
+    def used(self) -> dict[str, float]:
+        now = self._read()
+        if now is None or self._start is None:
+            return {}
+        return {key: round(value - self._start[key], 3) for key, value in now.items()}
+
+
 def _replay_target(
-    stack: LocalStack, name: str, base_url: str, trace: Trace, args: argparse.Namespace
+    stack: LocalStack,
+    name: str,
+    base_url: str,
+    trace: Trace,
+    args: argparse.Namespace,
+    router: Sequence[ManagedProcess],
 ) -> LiveRun:
     stack.reset_prefix_caches()
     before = _counters(stack)
     requests = trace_requests(trace, stack.model)
+    cpu = _CpuClock(router, stack.sim_processes())
     started = time.perf_counter()
     outcomes, sent_s = asyncio.run(
         replay_open_loop(base_url, requests, args.time_scale, args.timeout, args.keep_alive)
     )
     wall_s = time.perf_counter() - started
+    used = cpu.used()
     after = _counters(stack)  # an endpoint counts a request before its last chunk leaves
     scheduled = [arrival_s * args.time_scale for arrival_s, _ in requests]
     run = summarize_live(name, outcomes, before, after, args.time_scale, wall_s)
     # How late the client sent requests (a loaded client distorts the schedule).
     lag = [max(0.0, s - a) for s, a in zip(sent_s, scheduled, strict=True)]
     run.metrics.extra["send_lag_p99_ms"] = 1000 * latency_stats(lag)["p99"]
+    run.metrics.extra.update(used)
     if base_url == stack.url and stack.picker_workers > 1:  # how the streams spread
         for line in stack.picker_metrics_text().splitlines():
             if line.startswith("kv_picker_worker_requests_total{"):
@@ -411,7 +464,8 @@ def run_live(argv: Sequence[str], command: str) -> int:
             )
         for policy, document in zip(policies, documents, strict=True):
             stack.start_picker(document)
-            runs.append(_replay_target(stack, policy.name, stack.url, trace, args))
+            router = [p for p in (stack.picker, stack.envoy) if p is not None]
+            runs.append(_replay_target(stack, policy.name, stack.url, trace, args, router))
             _progress(args, runs[-1])
         urls = [f"http://{address}" for address in stack.sim_addresses]
         for router, policy_name in peers:
@@ -420,7 +474,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             )
             try:
                 name = f"{router}:{policy_name}"
-                runs.append(_replay_target(stack, name, base_url, trace, args))
+                runs.append(_replay_target(stack, name, base_url, trace, args, [process]))
                 _progress(args, runs[-1])
             finally:
                 process.stop()
@@ -446,6 +500,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
         "",
         markdown_table(rows, bounds, floors.stats()),
         "",
+        *live_cpu_table(rows),
         f"Wall time of the whole run: {wall_s:.1f} s.",
     ]
     report = "\n".join(lines) + "\n"
@@ -483,6 +538,34 @@ def run_live(argv: Sequence[str], command: str) -> int:
     print(f"results: {folder}")
     failed = [m.policy for m in rows if m.ok == 0]
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def live_cpu_table(rows: Sequence[PolicyMetrics]) -> list[str]:
+    """Markdown lines: the CPU each run's router, endpoints and client used (none without
+    ``/proc``)."""
+    measured = [m for m in rows if all(key in m.extra for key, _ in CPU_PARTS)]
+    if not measured:
+        return []
+    lines = [
+        "CPU seconds used during each run by the router (kv-picker with Envoy, or the peer "
+        f"router), the simulated endpoints and the client, on this host's {os.cpu_count()} "
+        "shared cores: a router that takes more CPU slows the endpoints and the client too, "
+        "and that shows in every latency above.",
+        "",
+        "| policy | " + " | ".join(label for _, label in CPU_PARTS) + " | wall s |",
+        "|---|" + "---:|" * (len(CPU_PARTS) + 1),
+    ]
+    for m in measured:
+        cells = [f"{m.extra[key]:.1f}" for key, _ in CPU_PARTS]
+        shares = [
+            f"{key.partition('.')[2]} {value:.1f}"
+            for key, value in m.extra.items()
+            if key.startswith("router_cpu_s.")
+        ]
+        if shares:
+            cells[0] += f" ({' + '.join(shares)})"
+        lines.append(f"| {m.policy} | {' | '.join(cells)} | {m.wall_s:.1f} |")
+    return [*lines, ""]
 
 
 def _progress(args: argparse.Namespace, run: LiveRun) -> None:

@@ -53,7 +53,18 @@ def test_live_replay_through_envoy_and_kv_picker(tmp_path: Path) -> None:
         assert metrics["ttft_s"]["p50"] > 0
         assert sum(metrics["extra"]["served_per_endpoint"]) == 24
         assert 0 < metrics["hit_ratio"] <= document["bounds"]["unbounded"] + 1e-9
-    assert (out / "results.md").read_text().count("| kv-picker | 24 |") == 1
+        # The CPU each part used while the requests ran: the router here is the picker and
+        # Envoy; the endpoints served every request; the client sent them.
+        extra = metrics["extra"]
+        for key in ("router_cpu_s", "endpoints_cpu_s", "client_cpu_s"):
+            assert extra[key] > 0
+        shares = extra["router_cpu_s.kv-picker"] + extra["router_cpu_s.envoy"]
+        assert shares == pytest.approx(extra["router_cpu_s"], abs=0.01)
+    report = (out / "results.md").read_text()
+    assert report.count("| kv-picker | 24 |") == 1
+    assert "| policy | router | simulated endpoints | client | wall s |" in report
+    assert " (kv-picker " in report and " + envoy " in report
+    assert report.count("\n| random | ") == 2  # its latency row and its CPU row
     assert _children() <= before  # every process stopped
 
 
@@ -80,6 +91,7 @@ def test_peer_replay(router: str, policy: str, tmp_path: Path) -> None:
     metrics = json.loads((out / "results.json").read_text())["policies"][f"{router}:{policy}"]
     assert metrics["ok"] == 24 and metrics["errors"] == 0
     assert sum(metrics["extra"]["served_per_endpoint"]) == 24
+    assert metrics["extra"]["router_cpu_s"] > 0  # the peer router's own process
     assert _children() <= before
 
 
