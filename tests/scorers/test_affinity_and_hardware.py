@@ -101,16 +101,25 @@ def test_session_affinity_token_roundtrip_and_garbage() -> None:
     ]
 
 
+def linear_latency(**params: object) -> PredictedLatencyParams:
+    """Latency parameters with the linear terms only: 1,000 prefill tokens/s, 0.5 s per
+    unmatched waiting request, no attention, no step or KV-read cost (plus ``params``)."""
+    return dataclasses.replace(
+        PredictedLatencyParams(
+            prefillTokensPerSecond=1000,
+            queuedRequestSeconds=0.5,
+            attentionCrossoverTokens=0,
+            stepSeconds=0,
+            kvReadTokensPerSecond=0,
+        ),
+        **params,
+    )
+
+
 def test_predicted_latency_combines_cache_queue_and_hardware() -> None:
     store = classed("H100", "H100", "L4")
     store.waiting[0] = 4  # a queue on the first H100
-    params = PredictedLatencyParams(  # the linear terms only
-        prefillTokensPerSecond=1000,
-        queuedRequestSeconds=0.5,
-        attentionCrossoverTokens=0,
-        stepSeconds=0,
-        kvReadTokensPerSecond=0,
-    )
+    params = linear_latency()
     scorer = PredictedLatencyScorer("p", params, make_context(store))
     request = make_request("x" * 4000)  # ~1000 tokens
     request.state[PREFIX_MATCH] = PrefixMatch(16, 62, {EndpointId(2): 62})  # L4 holds it all
@@ -325,14 +334,7 @@ def test_predicted_latency_own_waiting_at_scrape_matches_the_count_to_its_own_ti
     # ownWaitingAtScrape subtracts the own requests queued when the scrape was recorded.
     store = make_store(2)
     finished, routed = store.all()
-    plain = PredictedLatencyParams(
-        prefillTokensPerSecond=1000,
-        attentionCrossoverTokens=0,
-        stepSeconds=0,
-        kvReadTokensPerSecond=0,
-        queuedRequestSeconds=0.5,
-    )
-    at_scrape = dataclasses.replace(plain, ownWaitingAtScrape=True)
+    plain, at_scrape = linear_latency(), linear_latency(ownWaitingAtScrape=True)
     now = PredictedLatencyScorer("p", plain, make_context(store))
     then = PredictedLatencyScorer("p", at_scrape, make_context(store))
     request = make_request("x" * 400)  # 100 tokens: 0.1 s anywhere
