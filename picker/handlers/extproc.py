@@ -142,7 +142,9 @@ class RequestStream:
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
             self.response_body_mode = message.protocol_config.response_body_mode
-        if message.HasField("metadata_context"):
+        # The metadata (a subset hint) only matters to the pick: once routed, a message that
+        # carries it again is not decoded again.
+        if self.routed is None and message.HasField("metadata_context"):
             self.metadata = json_format.MessageToDict(message.metadata_context).get(
                 "filterMetadata", {}
             )

@@ -139,6 +139,25 @@ def test_subset_hint_restricts_and_empty_subset_is_503() -> None:
     assert error.immediate_response.status.code == 503
 
 
+def test_metadata_after_the_pick_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Envoy may attach the metadata to every message; once routed, the stream ignores it.
+    stream = RequestStream(make_director())
+    run(stream, headers_message(subset=["10.0.0.3:8000"]), body_message(BODY))
+    assert stream.endpoint is not None and stream.endpoint.address == "10.0.0.3:8000"
+    decoded = []
+    monkeypatch.setattr(
+        "kv_picker.handlers.extproc.json_format.MessageToDict",
+        lambda message: decoded.append(message) or {},
+    )
+    chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: {}\n\n"))
+    chunk.metadata_context.CopyFrom(headers_message(subset=["10.0.0.1:8000"]).metadata_context)
+    out = run(stream, chunk)
+    assert len(out) == 1 and out[0].HasField("response_body")
+    assert decoded == []
+    assert stream.metadata == {"envoy.lb.subset_hint": {
+        "x-gateway-destination-endpoint-subset": ["10.0.0.3:8000"]}}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("body", "status", "reason"),
     [
