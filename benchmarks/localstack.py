@@ -636,19 +636,19 @@ class ManagedProcess:
         self._log.close()
 
 
-def sessions_cpu_s(sessions: Sequence[int]) -> dict[int, float] | None:
-    """CPU seconds (user + system) used so far by the processes of each session, from
-    ``/proc``: every live process whose session is one of ``sessions``, plus the children it
-    has already reaped. A :class:`ManagedProcess` leads a session of its own, so this counts a
-    process with everything it started (a picker's scraper and workers, a peer router's
-    threads). ``None`` where ``/proc`` is not there (not Linux)."""
-    wanted = set(sessions)
-    totals = dict.fromkeys(wanted, 0.0)
+def tree_cpu_s(pids: Sequence[int]) -> dict[int, float] | None:
+    """CPU seconds (user + system) used so far by each of ``pids`` with all its descendants,
+    from ``/proc``: every live process below it (whichever thread started it), plus the
+    children each has already reaped. So a managed process counts with everything it started
+    (a picker's scrape process and workers). ``None`` where ``/proc`` is not there (not
+    Linux)."""
     try:
         entries = os.listdir("/proc")
         ticks = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         return None
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -657,11 +657,21 @@ def sessions_cpu_s(sessions: Sequence[int]) -> dict[int, float] | None:
                 text = stat.read()
         except OSError:  # gone since the listing
             continue
-        # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
         fields = text[text.rindex(b")") + 2 :].split()
-        session = int(fields[3])
-        if session in wanted:
-            totals[session] += sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
+        pid = int(entry)
+        parents[pid] = int(fields[1])
+        used[pid] = sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
+    wanted = set(pids)
+    totals = dict.fromkeys(wanted, 0.0)
+    for pid, seconds in used.items():
+        current, seen = pid, 0
+        while current > 0 and seen < 64:  # walk up to the roots asked for (bounded)
+            if current in wanted:
+                totals[current] += seconds
+                break
+            current = parents.get(current, 0)
+            seen += 1
     return totals
 
 

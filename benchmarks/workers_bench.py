@@ -48,7 +48,7 @@ from kv_picker.peers import PeerSync
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker_bench.client import Outcome, replay
-from kv_picker_bench.localstack import LocalStack, free_port
+from kv_picker_bench.localstack import LocalStack, free_port, tree_cpu_s
 from kv_picker_bench.overhead import (
     TOKENIZER,
     PathResult,
@@ -58,8 +58,6 @@ from kv_picker_bench.overhead import (
     summarise,
 )
 from kv_picker_bench.workloads import long_prompt_requests
-
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -104,16 +102,12 @@ def pin(pid: int, cpus: Sequence[int]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process tree, children that exited included."""
-    total = 0
-    for member in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # utime, stime, cutime, cstime: fields 14-17 of stat, 12-15 after the command name.
-        total += sum(int(value) for value in fields[11:15])
-    return total / _TICKS
+    """User + system CPU time of a managed process with everything it started, children that
+    exited included (:func:`~kv_picker_bench.localstack.tree_cpu_s`)."""
+    counted = tree_cpu_s([pid])
+    if counted is None:
+        raise RuntimeError("the workers benchmark reads CPU time from /proc (Linux only)")
+    return counted[pid]
 
 
 def start(stack: LocalStack, setup: Setup, mode: str = "streamed") -> str:

@@ -80,7 +80,7 @@ from kv_picker_bench.localstack import (
     SimSpec,
     free_port,
     http_get,
-    sessions_cpu_s,
+    tree_cpu_s,
 )
 from kv_picker_bench.workloads import WorkloadRequest
 
@@ -257,14 +257,14 @@ class _CpuClock:
         self._start = self._read()
 
     def _read(self) -> dict[str, float] | None:
-        sessions = sessions_cpu_s([pid for group in self._groups for pid in group])
-        if sessions is None:
+        counted = tree_cpu_s([pid for group in self._groups for pid in group])
+        if counted is None:
             return None
         own = os.times()
-        totals = [sum(sessions[pid] for pid in group) for group in self._groups]
+        totals = [sum(counted[pid] for pid in group) for group in self._groups]
         values = [*totals, own.user + own.system]
         out = dict(zip((key for key, _ in CPU_PARTS), values, strict=True))
-        out.update((key, sessions[pid]) for key, pid in self._parts)
+        out.update((key, counted[pid]) for key, pid in self._parts)
         return out
 
     def used(self) -> dict[str, float]:

@@ -31,8 +31,8 @@ def test_setups_are_parsed_and_checked() -> None:
 
 def test_the_table_divides_by_one_worker_on_one_core() -> None:
     rows = [
-        Result("1 worker, 1 core", 16, 100, 0, 10.0, 20.0, 200.0, 1, [0], 1.0),
-        Result("2 workers, 2 cores", 16, 100, 0, 10.0, 20.0, 300.0, 2, [0, 1], 1.5),
+        Result("1 worker, 1 core", 16, 100, 0, 10.0, 20.0, 200.0, None, None, 1, [0], 1.0),
+        Result("2 workers, 2 cores", 16, 100, 0, 10.0, 20.0, 300.0, None, None, 2, [0, 1], 1.5),
     ]
     table = format_results(rows)
     assert "| 2 workers, 2 cores | 16 | 300 | 1.50 |" in table
