@@ -58,6 +58,7 @@ from kv_picker_bench.localstack import (
     ManagedProcess,
     envoy_bootstrap,
     free_port,
+    tree_cpu_s,
 )
 from kv_picker_bench.workloads import WorkloadRequest, long_prompt_requests
 
@@ -73,6 +74,11 @@ class PathResult:
     p50_ms: float
     p99_ms: float
     requests_per_s: float
+    # CPU milliseconds per request while this path ran: its ext_proc service's (0 for direct;
+    # the picker's includes its scraping, which runs whatever the traffic) and its Envoy's.
+    # None when not measured (no /proc).
+    ext_proc_cpu_ms: float | None
+    envoy_cpu_ms: float | None
 
 
 def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -121,7 +127,7 @@ def mode_bootstrap(
     return bootstrap
 
 
-def _floor_service(stack: LocalStack, event_loop: str) -> int:
+def _floor_service(stack: LocalStack, event_loop: str) -> tuple[ManagedProcess, int]:
     port = free_port()
     argv = [sys.executable, "-m", "kv_picker_bench.trivial_extproc", "--port", str(port),
             "--event-loop", event_loop]  # fmt: skip
@@ -130,13 +136,19 @@ def _floor_service(stack: LocalStack, event_loop: str) -> int:
     process = ManagedProcess("trivial-extproc", argv, stack.workdir / "trivial-extproc.log")
     stack.processes.append(process)
     process.wait_until(lambda: "ready" in process.log_tail(), 30.0, "the trivial ext_proc")
-    return port
+    return process, port
 
 
 def summarise(
-    path: str, connections: int, outcomes: Sequence[Outcome], wall_s: float
+    path: str,
+    connections: int,
+    outcomes: Sequence[Outcome],
+    wall_s: float,
+    cpu_s: tuple[float, float] | None = None,
 ) -> PathResult:
+    """One path's figures; ``cpu_s``: its ext_proc service's and its Envoy's CPU seconds."""
     ok = [o.latency_s * 1000 for o in outcomes if o.ok]
+    per_request = [1000 * x / len(outcomes) for x in cpu_s] if cpu_s and outcomes else [None] * 2
     return PathResult(
         path,
         connections,
@@ -145,7 +157,17 @@ def summarise(
         percentile(ok, 0.5),
         percentile(ok, 0.99),
         len(ok) / wall_s,
+        *per_request,
     )
+
+
+def _cpu_s(processes: Sequence[ManagedProcess | None]) -> list[float] | None:
+    """CPU seconds so far of each process (with what it started); 0 for None."""
+    pids = [p.process.pid for p in processes if p is not None]
+    counted = tree_cpu_s(pids)
+    if counted is None:
+        return None
+    return [0.0 if p is None else counted[p.process.pid] for p in processes]
 
 
 TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
@@ -225,16 +247,23 @@ def run(
         start_envoy=False,
         **stack_options,
     ) as stack:
-        _, direct_port = _direct_envoy(stack)
-        floor_grpc = _floor_service(stack, event_loop)
+        direct_envoy, direct_port = _direct_envoy(stack)
+        floor, floor_grpc = _floor_service(stack, event_loop)
         urls: dict[str, dict[str, str]] = {}
+        # Per mode and path: (its ext_proc service, its Envoy), for the CPU each one used.
+        parts: dict[str, dict[str, tuple[ManagedProcess | None, ManagedProcess]]] = {}
         for name in processing_modes:
             urls[name] = {"direct": f"http://127.0.0.1:{direct_port}"}
-            for path, grpc_port in (("floor", floor_grpc), ("picker", stack.picker_grpc_port)):
+            parts[name] = {"direct": (None, direct_envoy)}
+            for path, grpc_port, service in (
+                ("floor", floor_grpc, floor),
+                ("picker", stack.picker_grpc_port, stack.picker),
+            ):
                 port, admin = free_port(), free_port()
                 bootstrap = mode_bootstrap(name, port, admin, grpc_port)
-                stack.launch_envoy(f"envoy-{path}-{name}", copy.deepcopy(bootstrap), admin)
+                envoy = stack.launch_envoy(f"envoy-{path}-{name}", copy.deepcopy(bootstrap), admin)
                 urls[name][path] = f"http://127.0.0.1:{port}"
+                parts[name][path] = (service, envoy)
         addresses = stack.sim_addresses
         rows: list[dict[str, object]] = []
         for name in processing_modes:
@@ -257,13 +286,24 @@ def run(
                     asyncio.run(replay(urls[name][path], batch[: 4 * conns], conns))
                 results: dict[str, list[Outcome]] = {path: [] for path in batches}
                 walls = dict.fromkeys(batches, 0.0)
+                cpu: dict[str, list[float] | None] = {path: [0.0, 0.0] for path in batches}
                 for _ in range(rounds):
                     for path, batch in batches.items():
+                        before = _cpu_s(parts[name][path])
                         started = time.perf_counter()
                         results[path] += asyncio.run(replay(urls[name][path], batch, conns))
                         walls[path] += time.perf_counter() - started
+                        after = _cpu_s(parts[name][path])
+                        total = cpu[path]
+                        if before is None or after is None or total is None:
+                            cpu[path] = None
+                        else:
+                            cpu[path] = [
+                                t + a - b for t, a, b in zip(total, after, before, strict=True)
+                            ]
                 summary = {
-                    path: summarise(path, conns, results[path], walls[path]) for path in batches
+                    path: summarise(path, conns, results[path], walls[path], _pair(cpu[path]))
+                    for path in batches
                 }
                 rows.append(_row(name, conns, summary))
                 print(format_rows(rows[-1:]), flush=True)
@@ -273,10 +313,17 @@ def run(
         return rows
 
 
+def _pair(values: list[float] | None) -> tuple[float, float] | None:
+    return None if values is None else (values[0], values[1])
+
+
 def _row(mode: str, connections: int, summary: dict[str, PathResult]) -> dict[str, object]:
     direct, floor, picker = summary["direct"], summary["floor"], summary["picker"]
     floor_added = floor.p50_ms - direct.p50_ms
     picker_added = picker.p50_ms - direct.p50_ms
+    cpu_ratio = None
+    if picker.ext_proc_cpu_ms is not None and floor.ext_proc_cpu_ms:
+        cpu_ratio = picker.ext_proc_cpu_ms / floor.ext_proc_cpu_ms
     return {
         "mode": mode,
         "connections": connections,
@@ -289,6 +336,7 @@ def _row(mode: str, connections: int, summary: dict[str, PathResult]) -> dict[st
         "added_p50_ratio_to_floor": picker_added / floor_added if floor_added > 0 else None,
         "throughput_ratio_to_floor": picker.requests_per_s / floor.requests_per_s,
         "throughput_ratio_to_direct": picker.requests_per_s / direct.requests_per_s,
+        "ext_proc_cpu_ratio_to_floor": cpu_ratio,
     }
 
 
@@ -296,22 +344,31 @@ def format_rows(rows: Sequence[dict[str, object]]) -> str:
     lines = [
         "| mode | connections | direct p50 ms | floor p50 ms | picker p50 ms | floor added p50 ms "
         "| picker added p50 ms | added p50 ÷ floor's | picker p99 ms | direct req/s "
-        "| floor req/s | picker req/s | req/s ÷ floor's | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| floor req/s | picker req/s | req/s ÷ floor's | ext_proc CPU ms/req, floor / picker "
+        "| CPU ÷ floor's | Envoy CPU ms/req, floor / picker | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         d, f, p = row["direct"], row["floor"], row["picker"]
         assert isinstance(d, dict) and isinstance(f, dict) and isinstance(p, dict)
         ratio = row["added_p50_ratio_to_floor"]
+        cpu_ratio = row.get("ext_proc_cpu_ratio_to_floor")
         errors = d["errors"] + f["errors"] + p["errors"]
         lines.append(
             f"| {row['mode']} | {row['connections']} | {d['p50_ms']:.2f} | {f['p50_ms']:.2f} | "
             f"{p['p50_ms']:.2f} | {row['floor_added_p50_ms']:.2f} | {row['added_p50_ms']:.2f} | "
-            f"{'-' if ratio is None else format(ratio, '.2f')} | {p['p99_ms']:.2f} | "
+            f"{_maybe(ratio)} | {p['p99_ms']:.2f} | "
             f"{d['requests_per_s']:.0f} | {f['requests_per_s']:.0f} | {p['requests_per_s']:.0f} | "
-            f"{row['throughput_ratio_to_floor']:.2f} | {errors} |"
+            f"{row['throughput_ratio_to_floor']:.2f} | "
+            f"{_maybe(f.get('ext_proc_cpu_ms'))} / {_maybe(p.get('ext_proc_cpu_ms'))} | "
+            f"{_maybe(cpu_ratio)} | "
+            f"{_maybe(f.get('envoy_cpu_ms'))} / {_maybe(p.get('envoy_cpu_ms'))} | {errors} |"
         )
     return "\n".join(lines)
+
+
+def _maybe(value: object) -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:.2f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

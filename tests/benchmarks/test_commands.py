@@ -80,7 +80,19 @@ def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) ->
         assert row["throughput_ratio_to_floor"] == pytest.approx(
             row["picker"]["requests_per_s"] / row["floor"]["requests_per_s"]
         )
+        # The CPU each path's ext_proc service and Envoy used per request (none for direct).
+        # The kernel counts CPU in 10 ms ticks, coarse for ten small requests: only that the
+        # figures are there and add up is checked here (tests/benchmarks/test_localstack_cpu.py
+        # checks the counting).
+        assert row["direct"]["ext_proc_cpu_ms"] == 0
+        for path in ("direct", "floor", "picker"):
+            assert row[path]["envoy_cpu_ms"] >= 0 and row[path]["ext_proc_cpu_ms"] >= 0
+        if row["floor"]["ext_proc_cpu_ms"] > 0:
+            assert row["ext_proc_cpu_ratio_to_floor"] == pytest.approx(
+                row["picker"]["ext_proc_cpu_ms"] / row["floor"]["ext_proc_cpu_ms"]
+            )
     assert "| added p50 ÷ floor's |" in result.stdout
+    assert "| ext_proc CPU ms/req, floor / picker | CPU ÷ floor's |" in result.stdout
 
 
 def test_pd_benchmark_smoke(tmp_path: Path) -> None:
