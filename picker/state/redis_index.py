@@ -262,9 +262,15 @@ class RedisKVIndex:
 
     async def run(self) -> None:
         """Send queued writes and watch the connection until cancelled."""
+        task = asyncio.current_task()
         self._connect()
         await self._check()
         while True:
+            # A cancellation that arrives during a Redis call can be caught inside the client
+            # and not raised again; it still counts on the task (Task.cancelling), so the loop
+            # ends here instead of waiting for a second one (a shutdown would hang on it).
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
             # cancellation that races its timeout, and the task would never end.
             with contextlib.suppress(TimeoutError):

@@ -4,6 +4,7 @@ index, one round trip per lookup, and an outage that costs the signal, never a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -248,6 +249,42 @@ async def test_lost_data_is_resynced_from_the_ledger(
     index.apply_stored(3, BlockStored([99], None, tokens[:4], 4), "m")  # the next write notices
     await wait_for(lambda: server.client().exists("test:ep:10.0.0.3:8000") == 1)
     assert await index.lookup(keys) == {"10.0.0.3:8000": (10, 10.0), "10.0.0.4:8000": (1, 1.0)}
+
+
+async def test_a_cancellation_swallowed_mid_call_still_ends_the_writer(
+    server: ValkeyServer,
+) -> None:
+    # A Redis call cancelled mid-command can catch the CancelledError and return; the writer
+    # must still end (a shutdown or reload awaits it), not go back to waiting for writes.
+    index = RedisKVIndex(
+        EventKeys(block_size_tokens=4), server.url, "swallow", lambda _: None, timeout_s=0.5,
+        retry_s=0.1, metrics=PickerMetrics(),
+    )  # fmt: skip
+    inside = asyncio.Event()
+
+    async def swallowing_flush() -> None:  # swallows the first cancellation, then flushes nothing
+        if inside.is_set():
+            return
+        inside.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    index._flush = swallowing_flush  # type: ignore[method-assign]
+    task = asyncio.create_task(index.run())
+    try:
+        await wait_for(lambda: index.available)
+        index._wake.set()
+        await asyncio.wait_for(inside.wait(), 5)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert task in done and task.cancelled()
+    finally:
+        for _ in range(5):  # without the fix the first cancellation was lost: end it anyway
+            if task.done():
+                break
+            task.cancel()
+            await asyncio.wait([task], timeout=1)
+        await index.close()
 
 
 async def test_outage_means_no_signal_and_the_signal_returns(server: ValkeyServer) -> None:
