@@ -32,6 +32,9 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     group: int = 0
+    # Streamed responses: the time between successive reads of the body that carried an SSE
+    # event, as the client saw them (events that arrive together are one read).
+    gaps_s: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -50,6 +53,7 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 async def send(session: aiohttp.ClientSession, base_url: str, request: WorkloadRequest) -> Outcome:
     start = time.perf_counter()
     first_s = 0.0
+    gaps: list[float] = []
     try:
         async with session.post(
             base_url + request.path, json=request.body, headers=request.headers
@@ -64,9 +68,15 @@ async def send(session: aiohttp.ClientSession, base_url: str, request: WorkloadR
             usage: dict[str, object] = {}
             if request.body.get("stream"):
                 buffer = b""
+                last_s = 0.0
                 async for chunk in response.content.iter_any():
-                    if not first_s and b"data:" in chunk:
-                        first_s = time.perf_counter()
+                    if b"data:" in chunk:
+                        now = time.perf_counter()
+                        if first_s:
+                            gaps.append(now - last_s)
+                        else:
+                            first_s = now
+                        last_s = now
                     buffer += chunk
                 for line in buffer.split(b"\n"):
                     if line.startswith(b"data:") and b'"usage"' in line:
@@ -93,6 +103,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, request: WorkloadR
         completion_tokens=int(usage.get("completion_tokens", 0) or 0),  # type: ignore[call-overload]
         cached_tokens=int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0,
         group=request.group,
+        gaps_s=tuple(gaps),
     )
 
 

@@ -26,6 +26,14 @@ processing mode gets its own Envoy pair (floor and picker on the same configurat
 Rounds alternate between the paths so drift on a shared machine hits all alike. Reported per
 mode and connection count: p50/p99 and requests per second per path, the added p50 over direct
 of the floor and of the picker, and the ratios picker/floor of added p50 and of throughput.
+
+``--output-tokens N`` (N > 1) streams the responses, one server-sent event per token, from
+endpoints running in real time (``--time-scale``), so tokens come one decode step apart. Each
+path then also reports its TTFT, the gaps between the chunks its client read (a path that holds
+chunks up, or a placement that puts a new prompt's prefill next to a decoding request, shows in
+their tail) and its CPU per output token. Only ``gie`` shows the picker the responses: in
+``streamed`` and ``buffered`` Envoy ends the ext_proc stream once the request has gone, and the
+picker stops counting the request as in flight then.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ from kv_picker_bench.localstack import (
 from kv_picker_bench.workloads import WorkloadRequest, long_prompt_requests
 
 MODES = ("streamed", "buffered", "gie")
+PATHS = ("direct", "floor", "picker")
 
 
 @dataclass
@@ -79,6 +88,44 @@ class PathResult:
     # None when not measured (no /proc).
     ext_proc_cpu_ms: float | None
     envoy_cpu_ms: float | None
+
+
+@dataclass
+class StreamFigures:
+    """One path's streamed responses (``--output-tokens`` above 1), as the client saw them."""
+
+    output_tokens: int  # completion tokens, from the responses' usage
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    # Time between successive reads of a response body that carried an SSE event, pooled over
+    # every response: the endpoint's decode step plus whatever the path delays a chunk by.
+    gap_p50_ms: float
+    gap_p99_ms: float
+    # CPU microseconds per output token while the path ran (the whole requests' CPU, request
+    # path included, over their output tokens); None when not measured.
+    ext_proc_cpu_us_per_token: float | None
+    envoy_cpu_us_per_token: float | None
+
+
+def stream_figures(
+    outcomes: Sequence[Outcome], cpu_s: tuple[float, float] | None = None
+) -> StreamFigures:
+    """The streamed-response figures of one path; ``cpu_s`` as for :func:`summarise`."""
+    ok = [o for o in outcomes if o.ok]
+    tokens = sum(o.completion_tokens for o in ok)
+    gaps = [g * 1000 for o in ok for g in o.gaps_s]
+    ttfts = [o.ttft_s * 1000 for o in ok]
+    per_token: list[float | None] = (
+        [1e6 * x / tokens for x in cpu_s] if cpu_s is not None and tokens else [None, None]
+    )
+    return StreamFigures(
+        tokens,
+        percentile(ttfts, 0.5),
+        percentile(ttfts, 0.99),
+        percentile(gaps, 0.5),
+        percentile(gaps, 0.99),
+        *per_token,
+    )
 
 
 def _http_filters(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -125,6 +172,39 @@ def mode_bootstrap(
             response_trailer_mode="SKIP",
         )
     return bootstrap
+
+
+def prompt_seed(connections: int, path: str, round_index: int, stream: bool) -> int:
+    """The seed of one batch's prompts (round -1: the warm-up).
+
+    One-token responses use the same prompts on every path and round: the endpoints' time is
+    scaled to almost nothing, so what they cache does not matter. Streamed ones run in real
+    time, where a prompt another path or round left cached would be a shorter prefill, so each
+    batch gets fresh ones.
+    """
+    if not stream:
+        return connections
+    return connections * 1000 + (round_index + 1) * 10 + PATHS.index(path)
+
+
+def prompts(
+    path: str,
+    seed: int,
+    count: int,
+    words_per_prompt: int,
+    output_tokens: int,
+    addresses: Sequence[str],
+) -> list[WorkloadRequest]:
+    """One batch of distinct prompts; the direct path's name their endpoint, round robin."""
+    made = long_prompt_requests(
+        count, words_per_prompt, seed=seed, output_tokens=output_tokens, stream=output_tokens > 1
+    )
+    if path != "direct":
+        return made
+    return [
+        WorkloadRequest(r.path, r.body, headers={DESTINATION_HEADER: addresses[i % len(addresses)]})
+        for i, r in enumerate(made)
+    ]
 
 
 def _floor_service(stack: LocalStack, event_loop: str) -> tuple[ManagedProcess, int]:
@@ -225,9 +305,23 @@ def run(
     processing_modes: Sequence[str] = MODES,
     scraper: str = "process",
     picker_config: dict[str, Any] | None = None,
+    output_tokens: int = 1,
+    time_scale: float | None = None,
 ) -> list[dict[str, object]]:
     """Measure every path; ``picker_config`` (from :func:`picker_config_file`) replaces the
-    built-in default profile of the picker path (not with ``mode`` precise)."""
+    built-in default profile of the picker path (not with ``mode`` precise).
+
+    ``output_tokens`` above 1 streams the responses (one server-sent event per token) and adds
+    each path's :class:`StreamFigures` to its row. ``time_scale``: the simulated endpoints'
+    wall seconds per model second; by default almost nothing (0.0001) with one output token,
+    so that the figures are the gateway's, and real time (1.0) with more, so that tokens come
+    one decode step apart, as from a GPU, rather than all at once.
+    """
+    if output_tokens < 1:
+        raise ValueError("output_tokens must be at least 1")
+    stream = output_tokens > 1
+    if time_scale is None:
+        time_scale = 1.0 if stream else 0.0001
     words_per_prompt = int(prompt_tokens / 1.6)  # the simulated tokenizer's ~1.6 tokens/word
     precise = mode == "precise"
     if precise and picker_config is not None:
@@ -242,7 +336,7 @@ def run(
     picker_args = ("--event-loop", event_loop)
     with LocalStack(
         sims=endpoints,
-        time_scale=0.0001,
+        time_scale=time_scale,
         picker_args=picker_args,
         start_envoy=False,
         **stack_options,
@@ -268,30 +362,25 @@ def run(
         rows: list[dict[str, object]] = []
         for name in processing_modes:
             for conns in connections:
-                base = long_prompt_requests(requests, words_per_prompt, seed=conns)
-                batches = {
-                    "direct": [
-                        WorkloadRequest(
-                            r.path,
-                            r.body,
-                            headers={DESTINATION_HEADER: addresses[i % len(addresses)]},
-                        )
-                        for i, r in enumerate(base)
-                    ],
-                    "floor": base,
-                    "picker": base,
-                }
                 # Warm every path (connections, caches of the processes) before measuring.
-                for path, batch in batches.items():
-                    asyncio.run(replay(urls[name][path], batch[: 4 * conns], conns))
-                results: dict[str, list[Outcome]] = {path: [] for path in batches}
-                walls = dict.fromkeys(batches, 0.0)
-                cpu: dict[str, list[float] | None] = {path: [0.0, 0.0] for path in batches}
-                for _ in range(rounds):
-                    for path, batch in batches.items():
+                for path in PATHS:
+                    seed = prompt_seed(conns, path, -1, stream)
+                    warm = prompts(
+                        path, seed, 4 * conns, words_per_prompt, output_tokens, addresses
+                    )
+                    asyncio.run(replay(urls[name][path], warm, conns))
+                results: dict[str, list[Outcome]] = {path: [] for path in PATHS}
+                walls = dict.fromkeys(PATHS, 0.0)
+                cpu: dict[str, list[float] | None] = {path: [0.0, 0.0] for path in PATHS}
+                for round_index in range(rounds):
+                    for path in PATHS:
+                        seed = prompt_seed(conns, path, round_index, stream)
+                        sent = prompts(
+                            path, seed, requests, words_per_prompt, output_tokens, addresses
+                        )
                         before = _cpu_s(parts[name][path])
                         started = time.perf_counter()
-                        results[path] += asyncio.run(replay(urls[name][path], batch, conns))
+                        results[path] += asyncio.run(replay(urls[name][path], sent, conns))
                         walls[path] += time.perf_counter() - started
                         after = _cpu_s(parts[name][path])
                         total = cpu[path]
@@ -303,10 +392,22 @@ def run(
                             ]
                 summary = {
                     path: summarise(path, conns, results[path], walls[path], _pair(cpu[path]))
-                    for path in batches
+                    for path in PATHS
                 }
-                rows.append(_row(name, conns, summary))
+                row = _row(name, conns, summary)
+                if stream:
+                    row.update(
+                        _stream_row(
+                            {
+                                path: stream_figures(results[path], _pair(cpu[path]))
+                                for path in PATHS
+                            }
+                        )
+                    )
+                rows.append(row)
                 print(format_rows(rows[-1:]), flush=True)
+                if stream:
+                    print(format_stream_rows(rows[-1:]), flush=True)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "overhead.json").write_text(json.dumps(rows, indent=2))
@@ -338,6 +439,51 @@ def _row(mode: str, connections: int, summary: dict[str, PathResult]) -> dict[st
         "throughput_ratio_to_direct": picker.requests_per_s / direct.requests_per_s,
         "ext_proc_cpu_ratio_to_floor": cpu_ratio,
     }
+
+
+def _stream_row(figures: dict[str, StreamFigures]) -> dict[str, object]:
+    direct, floor, picker = figures["direct"], figures["floor"], figures["picker"]
+    cpu_ratio = None
+    if picker.ext_proc_cpu_us_per_token is not None and floor.ext_proc_cpu_us_per_token:
+        cpu_ratio = picker.ext_proc_cpu_us_per_token / floor.ext_proc_cpu_us_per_token
+    return {
+        "stream": {path: asdict(f) for path, f in figures.items()},
+        "floor_added_ttft_p50_ms": floor.ttft_p50_ms - direct.ttft_p50_ms,
+        "added_ttft_p50_ms": picker.ttft_p50_ms - direct.ttft_p50_ms,
+        "floor_added_gap_p99_ms": floor.gap_p99_ms - direct.gap_p99_ms,
+        "added_gap_p99_ms": picker.gap_p99_ms - direct.gap_p99_ms,
+        "ext_proc_cpu_per_token_ratio_to_floor": cpu_ratio,
+    }
+
+
+def format_stream_rows(rows: Sequence[dict[str, object]]) -> str:
+    """The streamed-response figures of ``rows`` (those that have them) as a Markdown table."""
+    lines = [
+        "| mode | connections | output tokens/request | TTFT p50 ms, direct / floor / picker "
+        "| chunk gap p50 ms, direct / floor / picker | chunk gap p99 ms, direct / floor / picker "
+        "| ext_proc CPU µs/token, floor / picker | CPU ÷ floor's "
+        "| Envoy CPU µs/token, direct / floor / picker |",
+        "|---|---:|---:|---|---|---|---|---:|---|",
+    ]
+    for row in rows:
+        figures = row.get("stream")
+        if not isinstance(figures, dict):
+            continue
+        d, f, p = figures["direct"], figures["floor"], figures["picker"]
+        requests = row["picker"]["requests"]  # type: ignore[index]
+        per_request = p["output_tokens"] / requests if requests else float("nan")
+
+        def three(key: str, d: Any = d, f: Any = f, p: Any = p) -> str:
+            return " / ".join(_maybe(x[key]) for x in (d, f, p))
+
+        lines.append(
+            f"| {row['mode']} | {row['connections']} | {per_request:.1f} | "
+            f"{three('ttft_p50_ms')} | {three('gap_p50_ms')} | {three('gap_p99_ms')} | "
+            f"{_maybe(f['ext_proc_cpu_us_per_token'])} / {_maybe(p['ext_proc_cpu_us_per_token'])} "
+            f"| {_maybe(row.get('ext_proc_cpu_per_token_ratio_to_floor'))} | "
+            f"{three('envoy_cpu_us_per_token')} |"
+        )
+    return "\n".join(lines)
 
 
 def format_rows(rows: Sequence[dict[str, object]]) -> str:
@@ -414,8 +560,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the picker's configuration (an EndpointPickerConfig YAML) instead of the built-in "
         "default; its server, endpoints and discovery sections are the stack's",
     )
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=1,
+        help="tokens per response (1); above 1 the responses stream, one event per token, and "
+        "each path's TTFT, gaps between chunks and CPU per output token are reported too",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="the simulated endpoints' wall seconds per model second (0.0001 with one output "
+        "token, 1.0 with more: tokens one decode step apart)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write overhead.json here")
     args = parser.parse_args(argv)
+    if args.output_tokens < 1:
+        parser.error("--output-tokens must be at least 1")
+    if args.time_scale is not None and not args.time_scale > 0:
+        parser.error("--time-scale must be positive")
     picker_config = None
     if args.config is not None:
         if args.mode == "precise":
@@ -446,9 +610,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes,
         args.scraper,
         picker_config,
+        args.output_tokens,
+        args.time_scale,
     )
     print()
     print(format_rows(rows))
+    if args.output_tokens > 1:
+        print()
+        print(format_stream_rows(rows))
     return (
         0
         if all(

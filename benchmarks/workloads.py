@@ -132,18 +132,24 @@ def long_prompt_requests(
     model: str = "sim-model",
     seed: int = 0,
     output_tokens: int = 1,
+    stream: bool = False,
 ) -> list[WorkloadRequest]:
-    """Distinct long prompts (no shared prefix), for overhead measurements."""
+    """Distinct long prompts (no shared prefix), for overhead measurements.
+
+    ``stream``: answered as server-sent events, one per token, with a final usage event, and
+    exactly ``output_tokens`` of them (``ignore_eos``).
+    """
     rng = random.Random(seed)
-    return [
-        WorkloadRequest(
-            "/v1/completions",
-            {
-                "model": model,
-                "prompt": f"request {i}: " + words(rng, prompt_tokens),
-                "max_tokens": output_tokens,
-                "stream": False,
-            },
-        )
-        for i in range(count)
-    ]
+    requests = []
+    for i in range(count):
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": f"request {i}: " + words(rng, prompt_tokens),
+            "max_tokens": output_tokens,
+            "stream": stream,
+        }
+        if stream:
+            body["ignore_eos"] = True
+            body["stream_options"] = {"include_usage": True}
+        requests.append(WorkloadRequest("/v1/completions", body))
+    return requests

@@ -130,6 +130,13 @@ class PickerMetrics:
             "Prompt tokens the endpoint reported as served from its prefix cache.",
             registry=r,
         )
+        self.responses_unseen = Counter(
+            "kv_picker_responses_unseen",
+            "Requests routed on ext_proc streams that do not carry the response (Envoy's "
+            "processing_mode.response_body_mode NONE): the picker counts each in flight only "
+            "until it is routed, so its load signals undercount.",
+            registry=r,
+        )
         self.running = Gauge(
             "kv_picker_requests_running", "Requests routed and not yet finished.", registry=r
         )

@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 
 _BodyMode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _BodyMode.FULL_DUPLEX_STREAMED
+NO_BODY = _BodyMode.NONE
 # x-request-start stamps further than this from the picker's clock are ignored.
 MAX_STAMP_AGE_S = 300.0
 BUFFERED = _BodyMode.BUFFERED
@@ -470,6 +471,22 @@ class RequestStream:
             self._finish()
             self.complete = True
 
+    def _response_unseen(self) -> None:
+        """Envoy announced that it sends no response body on this stream: the picker saw the
+        request routed and nothing after, so it released the request then, not at its end."""
+        self.metrics.responses_unseen.inc()
+        director = self.director
+        if not director.responses_unseen_warned:
+            director.responses_unseen_warned = True
+            log.warning(
+                "Envoy sends kv-picker no response bodies (ext_proc processing_mode "
+                "response_body_mode NONE): the picker cannot see when a response starts or "
+                "ends, so it stops counting each request as in flight once it is routed and "
+                "spreads load on stale scrapes alone. Set response_header_mode SEND and "
+                "response_body_mode FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request "
+                "body). Counted in kv_picker_responses_unseen_total."
+            )
+
     def _finish(self) -> None:
         # Only a routed request has anything to release; release it exactly once.
         routed = self.routed
@@ -478,6 +495,8 @@ class RequestStream:
         self.finished = True
         usage = self.usage.result() if self.usage is not None else None
         routed.finish(usage.completion_tokens if usage is not None else None)
+        if self.response_body_mode == NO_BODY:
+            self._response_unseen()
         metrics = self.metrics
         metrics.request_seconds.observe(time.perf_counter() - self.started_s)
         if usage is not None:

@@ -95,6 +95,24 @@ def test_overhead_benchmark_smoke(tmp_path: Path, mode: str, processing: str) ->
     assert "| ext_proc CPU ms/req, floor / picker | CPU ÷ floor's |" in result.stdout
 
 
+def test_overhead_benchmark_streams_tokens_through_every_path(tmp_path: Path) -> None:
+    result = _small_overhead_run(tmp_path, 6, "2", "--modes", "gie", "--output-tokens", "5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads((tmp_path / "overhead.json").read_text())
+    for path in ("direct", "floor", "picker"):
+        figures = row["stream"][path]
+        # Every token of every request came back as its own event, through every path.
+        assert figures["output_tokens"] == 6 * 5, path
+        assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+        assert 0 < figures["gap_p50_ms"] <= figures["gap_p99_ms"]
+        assert figures["envoy_cpu_us_per_token"] >= 0
+    assert row["stream"]["direct"]["ext_proc_cpu_us_per_token"] == 0
+    assert row["added_ttft_p50_ms"] == pytest.approx(
+        row["stream"]["picker"]["ttft_p50_ms"] - row["stream"]["direct"]["ttft_p50_ms"]
+    )
+    assert "| chunk gap p99 ms, direct / floor / picker |" in result.stdout
+
+
 def test_pd_benchmark_smoke(tmp_path: Path) -> None:
     result = kv_picker(
         "bench",

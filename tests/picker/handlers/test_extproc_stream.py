@@ -474,3 +474,28 @@ def test_a_response_that_has_not_ended_keeps_the_stream_open() -> None:
     run(stream, pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
     run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{", end_of_stream=False)))
     assert not stream.complete and not stream.finished
+
+
+def test_streams_that_carry_no_response_are_counted_and_warned_of_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    director = make_director()
+
+    def unseen() -> float | None:
+        return director.metrics.registry.get_sample_value("kv_picker_responses_unseen_total")
+
+    for _ in range(2):
+        stream = RequestStream(director)
+        message = headers_message()
+        message.protocol_config.response_body_mode = Mode.NONE
+        run(stream, message, body_message(BODY))
+        stream.close()
+    assert unseen() == 2
+    warnings = [r for r in caplog.records if "response_body_mode NONE" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+    # A stream that carries its response is not counted, whether or not it saw one.
+    for messages in ([], [pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True))]):
+        stream = RequestStream(director)
+        run(stream, headers_message(), body_message(BODY), *messages)
+        stream.close()
+    assert unseen() == 2
