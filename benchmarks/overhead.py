@@ -174,17 +174,18 @@ def mode_bootstrap(
     return bootstrap
 
 
-def prompt_seed(connections: int, path: str, round_index: int, stream: bool) -> int:
+def prompt_seed(mode: str, connections: int, path: str, round_index: int, stream: bool) -> int:
     """The seed of one batch's prompts (round -1: the warm-up).
 
     One-token responses use the same prompts on every path and round: the endpoints' time is
     scaled to almost nothing, so what they cache does not matter. Streamed ones run in real
-    time, where a prompt another path or round left cached would be a shorter prefill, so each
-    batch gets fresh ones.
+    time, where a prompt that an earlier mode, path or round left cached would be a shorter
+    prefill, and would draw the picker to the endpoint holding it: each batch gets fresh ones.
     """
     if not stream:
         return connections
-    return connections * 1000 + (round_index + 1) * 10 + PATHS.index(path)
+    batch = ((MODES.index(mode) + 1) * 10_000 + connections) * 10_000 + round_index + 1
+    return batch * len(PATHS) + PATHS.index(path)
 
 
 def prompts(
@@ -364,7 +365,7 @@ def run(
             for conns in connections:
                 # Warm every path (connections, caches of the processes) before measuring.
                 for path in PATHS:
-                    seed = prompt_seed(conns, path, -1, stream)
+                    seed = prompt_seed(name, conns, path, -1, stream)
                     warm = prompts(
                         path, seed, 4 * conns, words_per_prompt, output_tokens, addresses
                     )
@@ -374,7 +375,7 @@ def run(
                 cpu: dict[str, list[float] | None] = {path: [0.0, 0.0] for path in PATHS}
                 for round_index in range(rounds):
                     for path in PATHS:
-                        seed = prompt_seed(conns, path, round_index, stream)
+                        seed = prompt_seed(name, conns, path, round_index, stream)
                         sent = prompts(
                             path, seed, requests, words_per_prompt, output_tokens, addresses
                         )

@@ -132,9 +132,15 @@ class PickerMetrics:
         )
         self.responses_unseen = Counter(
             "kv_picker_responses_unseen",
-            "Requests routed on ext_proc streams that do not carry the response (Envoy's "
-            "processing_mode.response_body_mode NONE): the picker counts each in flight only "
-            "until it is routed, so its load signals undercount.",
+            "Requests routed on ext_proc streams that carry no response body (Envoy's "
+            "processing_mode.response_body_mode NONE): the picker sees neither their first "
+            "byte nor their usage, and with response trailers skipped not their end either.",
+            registry=r,
+        )
+        self.observability_streams = Counter(
+            "kv_picker_observability_streams",
+            "ext_proc streams from a filter in observability_mode: ignored, since Envoy drops "
+            "every reply to such a filter and they cannot route.",
             registry=r,
         )
         self.running = Gauge(

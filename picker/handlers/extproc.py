@@ -136,10 +136,19 @@ class RequestStream:
         self._trailers_after_pick = False
         self._pending = False
         self._request_id: str | None = None
+        # From an ext_proc filter in observability_mode (ignored: see handle).
+        self.observed = False
 
     # -- dispatch -------------------------------------------------------------------------
 
     def handle(self, message: pb.ProcessingRequest) -> Iterator[pb.ProcessingResponse]:
+        if message.observability_mode:
+            # Envoy drops every reply to such a filter, so nothing here can route: the stream
+            # is ignored, rather than counted as a request of its own next to the real one.
+            if not self.observed:
+                self.observed = True
+                self._observability_stream()
+            return
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
             self.response_body_mode = message.protocol_config.response_body_mode
@@ -471,20 +480,34 @@ class RequestStream:
             self._finish()
             self.complete = True
 
+    def _observability_stream(self) -> None:
+        self.metrics.observability_streams.inc()
+        director = self.director
+        if not director.observability_warned:
+            director.observability_warned = True
+            log.warning(
+                "an Envoy ext_proc filter in observability_mode sends to kv-picker: Envoy drops "
+                "the replies to such a filter, so its streams cannot route and are ignored. "
+                "Route with a filter whose observability_mode is false. Counted in "
+                "kv_picker_observability_streams_total."
+            )
+
     def _response_unseen(self) -> None:
-        """Envoy announced that it sends no response body on this stream: the picker saw the
-        request routed and nothing after, so it released the request then, not at its end."""
+        """Envoy announced that it sends no response body on this stream: the picker saw neither
+        the response's first byte nor its usage, and maybe not its end (see the warning)."""
         self.metrics.responses_unseen.inc()
         director = self.director
         if not director.responses_unseen_warned:
             director.responses_unseen_warned = True
             log.warning(
                 "Envoy sends kv-picker no response bodies (ext_proc processing_mode "
-                "response_body_mode NONE): the picker cannot see when a response starts or "
-                "ends, so it stops counting each request as in flight once it is routed and "
-                "spreads load on stale scrapes alone. Set response_header_mode SEND and "
-                "response_body_mode FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request "
-                "body). Counted in kv_picker_responses_unseen_total."
+                "response_body_mode NONE): the picker cannot see a response's first byte, so "
+                "each request's prefill counts as queued until its stream ends, nor its token "
+                "usage; with response_trailer_mode SKIP too, Envoy ends the stream as soon as "
+                "the request is routed, and the picker stops counting the request as in flight "
+                "then. Set response_header_mode SEND and response_body_mode "
+                "FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request body). Counted in "
+                "kv_picker_responses_unseen_total."
             )
 
     def _finish(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from kv_picker.wire import DESTINATION_HEADER
 from kv_picker_bench.client import Outcome
-from kv_picker_bench.overhead import PATHS, prompt_seed, prompts, stream_figures
+from kv_picker_bench.overhead import MODES, PATHS, prompt_seed, prompts, stream_figures
 
 
 def _outcome(ttft_s: float, gaps_s: tuple[float, ...], tokens: int, status: int = 200) -> Outcome:
@@ -41,17 +41,18 @@ def test_stream_figures_without_cpu_or_tokens_have_no_cpu_figure() -> None:
 
 
 def test_streamed_batches_get_fresh_prompts_and_one_token_batches_the_same() -> None:
-    streamed = {
-        (path, round_index): prompt_seed(16, path, round_index, stream=True)
+    batches = [
+        (mode, connections, path, round_index)
+        for mode in MODES
+        for connections in (1, 16)
         for path in PATHS
         for round_index in (-1, 0, 1)
-    }
-    assert len(set(streamed.values())) == len(streamed)
-    assert len({prompt_seed(16, p, r, stream=False) for p in PATHS for r in (-1, 0, 1)}) == 1
-    # A different connection count never reuses another's seeds.
-    assert not set(streamed.values()) & {
-        prompt_seed(1, p, r, stream=True) for p in PATHS for r in (-1, 0, 1)
-    }
+    ]
+    streamed = {prompt_seed(*batch, stream=True) for batch in batches}
+    assert len(streamed) == len(batches)
+    for connections in (1, 16):
+        one_token = {prompt_seed(m, connections, p, r, stream=False) for m, _, p, r in batches}
+        assert one_token == {connections}
 
 
 def test_prompts_stream_exactly_the_tokens_asked_and_direct_names_its_endpoint() -> None:

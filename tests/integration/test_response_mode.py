@@ -1,20 +1,29 @@
-"""An Envoy that sends kv-picker no responses: the picker says so, in its metrics and its log."""
+"""Envoy configurations kv-picker cannot route well with: it says so, in its metrics and log."""
 
 from __future__ import annotations
 
+import copy
 import urllib.request
 
 from kv_picker_bench.localstack import LocalStack, free_port
-from kv_picker_bench.overhead import mode_bootstrap
+from kv_picker_bench.overhead import _http_filters, mode_bootstrap
 from tests.integration.conftest import post
 
 
-def _unseen(stack: LocalStack) -> float:
+def _sample(stack: LocalStack, name: str) -> float:
+    """The picker's sample ``name`` (no labels), or the sum of its labelled samples."""
     url = f"http://127.0.0.1:{stack.picker_metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    (line,) = [x for x in text.splitlines() if x.startswith("kv_picker_responses_unseen_total ")]
-    return float(line.split()[1])
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    )
+
+
+def _unseen(stack: LocalStack) -> float:
+    return _sample(stack, "kv_picker_responses_unseen_total")
 
 
 def test_streams_without_responses_are_counted_and_logged() -> None:
@@ -37,3 +46,31 @@ def test_streams_without_responses_are_counted_and_logged() -> None:
                            stack.picker_grpc_port), gateway_admin)  # fmt: skip
         assert post(f"http://127.0.0.1:{gateway}/v1/completions", body).status == 200
         assert _unseen(stack) == 3
+
+
+def test_a_filter_in_observability_mode_is_ignored_not_routed() -> None:
+    with LocalStack(sims=2, time_scale=0.01, start_envoy=False) as stack:
+        port, admin = free_port(), free_port()
+        bootstrap = mode_bootstrap("gie", port, admin, stack.picker_grpc_port)
+        filters = _http_filters(bootstrap)
+        (routing,) = [f for f in filters if f["name"] == "envoy.filters.http.ext_proc"]
+        # A second ext_proc filter, after the routing one, that only observes: every request
+        # and response message, sent without waiting for (and dropping) the picker's replies.
+        observer = copy.deepcopy(routing)
+        observer["typed_config"]["observability_mode"] = True
+        observer["typed_config"]["processing_mode"].update(
+            request_body_mode="STREAMED", response_body_mode="STREAMED"
+        )
+        filters.insert(filters.index(routing) + 1, observer)
+        stack.launch_envoy("envoy-observer", bootstrap, admin)
+        body = {"model": "sim-model", "prompt": "tell me a story", "max_tokens": 4, "stream": True}
+        for _ in range(3):
+            reply = post(f"http://127.0.0.1:{port}/v1/completions", body)
+            assert reply.status == 200, reply.body
+            assert reply.body.rstrip().endswith(b"data: [DONE]")
+        assert _sample(stack, "kv_picker_observability_streams_total") == 3
+        # Each request was routed once, by the routing filter, and released at its end.
+        assert _sample(stack, "kv_picker_picks_total") == 3
+        assert _sample(stack, "kv_picker_endpoint_in_flight_requests") == 0
+        assert stack.picker is not None
+        assert stack.picker.log_tail().count("in observability_mode") == 1

@@ -499,3 +499,31 @@ def test_streams_that_carry_no_response_are_counted_and_warned_of_once(
         run(stream, headers_message(), body_message(BODY), *messages)
         stream.close()
     assert unseen() == 2
+
+
+def test_an_observability_mode_stream_is_ignored_not_routed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    director = make_director()
+    for _ in range(2):
+        stream = RequestStream(director)
+        messages = [headers_message(end_of_stream=True), body_message(BODY)]
+        messages.append(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n")))
+        for message in messages:
+            message.observability_mode = True
+        assert run(stream, *messages) == []
+        stream.close()
+    # Nothing was picked or counted in flight: the routing filter's stream does that.
+    assert list(director.store.in_flight) == [0] * len(director.store)
+    registry = director.metrics.registry
+    assert registry.get_sample_value("kv_picker_observability_streams_total") == 2
+    counted = [
+        sample
+        for family in registry.collect()
+        if family.name in ("kv_picker_requests", "kv_picker_picks")
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.value > 0
+    ]
+    assert counted == []
+    warnings = [r for r in caplog.records if "observability_mode" in r.getMessage()]
+    assert len(warnings) == 1
