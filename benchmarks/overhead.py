@@ -21,7 +21,10 @@ processing mode gets its own Envoy pair (floor and picker on the same configurat
 - ``streamed``: request body ``FULL_DUPLEX_STREAMED``, responses not sent to the processor;
 - ``buffered``: request body ``BUFFERED``, responses not sent;
 - ``gie``: the GIE reference configuration: full-duplex request and response bodies, response
-  headers and trailers processed too (what kv-picker needs to see first bytes and usage).
+  headers and trailers processed too (what kv-picker needs to see first bytes and usage);
+- ``lean``: request body ``FULL_DUPLEX_STREAMED``, response trailers only: the stream lasts to
+  the response's end (Envoy ends it then even when the upstream sends no trailers), so the
+  picker sees the end, but no response chunk, hence neither the first byte nor the usage.
 
 Rounds alternate between the paths so drift on a shared machine hits all alike. Reported per
 mode and connection count: p50/p99 and requests per second per path, the added p50 over direct
@@ -31,9 +34,9 @@ of the floor and of the picker, and the ratios picker/floor of added p50 and of 
 endpoints running in real time (``--time-scale``), so tokens come one decode step apart. Each
 path then also reports its TTFT, the gaps between the chunks its client read (a path that holds
 chunks up, or a placement that puts a new prompt's prefill next to a decoding request, shows in
-their tail) and its CPU per output token. Only ``gie`` shows the picker the responses: in
-``streamed`` and ``buffered`` Envoy ends the ext_proc stream once the request has gone, and the
-picker stops counting the request as in flight then.
+their tail) and its CPU per output token. Only ``gie`` shows the picker the responses; ``lean``
+their ends; in ``streamed`` and ``buffered`` Envoy ends the ext_proc stream once the request has
+gone, and the picker stops counting the request as in flight then.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ from kv_picker_bench.localstack import (
 )
 from kv_picker_bench.workloads import WorkloadRequest, long_prompt_requests
 
-MODES = ("streamed", "buffered", "gie")
+MODES = ("streamed", "buffered", "gie", "lean")
+DEFAULT_MODES = MODES[:3]
 PATHS = ("direct", "floor", "picker")
 
 
@@ -169,7 +173,9 @@ def mode_bootstrap(
         processing.update(
             response_header_mode="SKIP",
             response_body_mode="NONE",
-            response_trailer_mode="SKIP",
+            # lean: asking for the response's trailers keeps the stream open to its end (Envoy
+            # sends none when the upstream has none): the processor sees the end and no chunk.
+            response_trailer_mode="SEND" if mode == "lean" else "SKIP",
         )
     return bootstrap
 
@@ -303,7 +309,7 @@ def run(
     out_dir: Path | None,
     mode: str = "approximate",
     event_loop: str = "asyncio",
-    processing_modes: Sequence[str] = MODES,
+    processing_modes: Sequence[str] = DEFAULT_MODES,
     scraper: str = "process",
     picker_config: dict[str, Any] | None = None,
     output_tokens: int = 1,
@@ -544,8 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help="comma list of Envoy processing modes: streamed, buffered, gie (all)",
+        default=",".join(DEFAULT_MODES),
+        help="comma list of Envoy processing modes: streamed, buffered, gie, lean "
+        "(default: streamed,buffered,gie)",
     )
     parser.add_argument(
         "--scraper",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from kv_picker_bench.localstack import LocalStack, free_port
 from kv_picker_bench.overhead import _http_filters, mode_bootstrap
@@ -74,3 +76,34 @@ def test_a_filter_in_observability_mode_is_ignored_not_routed() -> None:
         assert _sample(stack, "kv_picker_endpoint_in_flight_requests") == 0
         assert stack.picker is not None
         assert stack.picker.log_tail().count("in observability_mode") == 1
+
+
+def test_response_trailers_alone_keep_the_request_in_flight_to_its_end() -> None:
+    """``lean``: no response chunk reaches the picker, yet it sees each response end."""
+    with LocalStack(sims=2, time_scale=1.0, start_envoy=False) as stack:
+        ports = {mode: (free_port(), free_port()) for mode in ("lean", "streamed")}
+        for mode, (port, admin) in ports.items():
+            bootstrap = mode_bootstrap(mode, port, admin, stack.picker_grpc_port)
+            stack.launch_envoy(f"envoy-{mode}", bootstrap, admin)
+        in_flight: dict[str, list[float]] = {}
+        for mode, (port, _) in ports.items():
+            # About 1.4 s of decoding (200 steps of the 8B profile) after a short prefill.
+            body = {"model": "sim-model", "prompt": "a story", "max_tokens": 200,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with ThreadPoolExecutor(1) as pool:
+                reply = pool.submit(post, f"http://127.0.0.1:{port}/v1/completions", body)
+                seen = []
+                while not reply.done() and len(seen) < 200:
+                    seen.append(_sample(stack, "kv_picker_endpoint_in_flight_requests"))
+                    time.sleep(0.05)
+                assert reply.result().status == 200
+            in_flight[mode] = seen
+        assert max(in_flight["lean"]) == 1, in_flight
+        # Without the trailers, Envoy ends the stream once the request is routed.
+        assert max(in_flight["streamed"][4:]) == 0, in_flight
+        deadline = time.monotonic() + 10
+        while (
+            _sample(stack, "kv_picker_endpoint_in_flight_requests") and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert _sample(stack, "kv_picker_endpoint_in_flight_requests") == 0
