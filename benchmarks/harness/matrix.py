@@ -848,6 +848,19 @@ def _timing_overrides(name: str) -> dict[str, Any]:
     }
 
 
+RESPONSES = ("full", "lean")
+
+
+def _overrides_for(responses: str) -> Callable[[str], dict[str, Any]]:
+    """The cluster overrides of each timing profile, seen through ``--responses``."""
+    first_byte_seen = responses == "full"
+
+    def overrides(name: str) -> dict[str, Any]:
+        return {**_timing_overrides(name), "first_byte_seen": first_byte_seen}
+
+    return overrides
+
+
 def _names(text: str, known: Sequence[str], what: str) -> list[str]:
     names = [item.strip() for item in text.split(",") if item.strip()]
     unknown = [n for n in names if n not in known]
@@ -898,6 +911,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="small traces, for a smoke run (the test suite runs one)",
+    )
+    parser.add_argument(
+        "--responses",
+        choices=RESPONSES,
+        default="full",
+        help="what the gateway shows the picker of each response: full (every chunk, so the "
+        "first byte and the end: the GIE's configuration; the default) or lean (the end only: "
+        "response trailers alone, see kv-picker bench overhead --modes lean)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
     parser.add_argument(
@@ -971,7 +992,7 @@ def _matrix(argv: Sequence[str]) -> int:
             timings,
             policies,
             args.quick,
-            _timing_overrides,
+            _overrides_for(args.responses),
             draw,
         )
         out = folder if len(draws) == 1 else folder / f"draw-{draw}"
@@ -1109,8 +1130,9 @@ def _against(
     per_draw: dict[int, list[CellResult]] = {}
     for draw, stored in stored_draws.items():
         plan = plan_matrix(
-            families, loads, clusters, timings, policies, args.quick, _timing_overrides, draw
-        )
+            families, loads, clusters, timings, policies, args.quick,
+            _overrides_for(args.responses), draw,
+        )  # fmt: skip
         against.restrict_plan(plan, stored)
         if not plan.cells:
             raise UsageError(f"--against: draw {draw} has none of the cells asked for")

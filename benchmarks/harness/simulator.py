@@ -127,6 +127,10 @@ class ClusterConfig:
             the prompt (the simulated endpoint seeds its output tokens with the prompt, so equal
             prompts fill equal blocks).
         model: Model name put in requests.
+        first_byte_seen: The picker sees each response's first byte, as through Envoy with
+            response bodies sent to it (the GIE's configuration). False: it sees only each
+            response's end, as with response trailers alone (``bench overhead --modes lean``),
+            so a request's prefill stays queued in its accounting until the request ends.
     """
 
     endpoints: tuple[EndpointSetup, ...]
@@ -143,6 +147,7 @@ class ClusterConfig:
     kv_bytes_per_token: int = 131_072
     cache_output_blocks: bool = True
     model: str = "sim-model"
+    first_byte_seen: bool = True
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -996,7 +1001,7 @@ class ClusterSimulator:
             return  # the prefill leg's token is not the client's
         seq.outcome.first_token_s = now_s
         routed = self._routed.get(seq.outcome.index)
-        if routed is not None:
+        if routed is not None and self.config.first_byte_seen:
             routed.first_byte()
         if seq.request is not None:
             for observer in self.observers:

@@ -363,3 +363,13 @@ def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
     e2e = json.loads((tmp_path / "matrix.json").read_text())["cells"][0]["policies"]["kv-picker"]
     assert f"{e2e['e2e_s']['mean']:.2f} / {e2e['e2e_s']['p99']:.2f}" in row
     assert (tmp_path / "default_heatmap.png").stat().st_size > 0
+
+
+def test_lean_responses_hide_first_bytes_from_every_cluster_of_the_matrix() -> None:
+    from kv_picker_bench.harness.matrix import CLUSTERS, _overrides_for
+
+    for responses, seen in (("full", True), ("lean", False)):
+        overrides = _overrides_for(responses)("llama-3.1-70b-h100-tp4")
+        config = CLUSTERS["small4"].config(**overrides)
+        assert config.first_byte_seen is seen
+        assert config.timing.name == "llama-3.1-70b-h100-tp4"

@@ -158,3 +158,20 @@ def test_a_refused_request_does_not_count_toward_how_long_requests_last() -> Non
     assert result.outcomes[1].status != OK
     served = result.outcomes[0]
     assert simulator.store.request_s[0] == pytest.approx(served.finish_s - served.arrival_s)
+
+
+@pytest.mark.parametrize("first_byte_seen", [True, False])
+def test_without_first_bytes_a_prefill_stays_queued_until_its_request_ends(
+    first_byte_seen: bool,
+) -> None:
+    # The second request arrives while the first decodes its 300 tokens, long after its prefill.
+    trace = make_trace([(0.0, 4000, 300, list(range(1, 251))), (1.0, 64, 4, [900, 901, 902, 903])])
+    config = small_cluster(1, num_gpu_blocks=1000, first_byte_seen=first_byte_seen)
+    simulator = _simulator(trace, config, TOKEN_AWARE)
+    result, seen = _replay_recording(simulator)
+    assert [o.status for o in result.outcomes] == [OK, OK]
+    assert result.outcomes[0].first_token_s < 1.0 < result.outcomes[0].finish_s
+    assert seen[1] == (([0.0], [0]) if first_byte_seen else ([4000.0], [1]))
+    # Either way, every request's end releases what it queued.
+    assert simulator.store.prefill_tokens == [0.0]
+    assert simulator.store.prefill_requests == [0]
