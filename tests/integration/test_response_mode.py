@@ -24,8 +24,17 @@ def _sample(stack: LocalStack, name: str) -> float:
     )
 
 
-def _unseen(stack: LocalStack) -> float:
-    return _sample(stack, "kv_picker_responses_unseen_total")
+def _settled(stack: LocalStack, name: str, value: float, timeout_s: float = 10.0) -> float:
+    """The sample ``name`` once it equals ``value``, or after ``timeout_s``: the picker may
+    handle a stream's end just after the client has the response's last byte."""
+    deadline = time.monotonic() + timeout_s
+    while (current := _sample(stack, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return current
+
+
+IN_FLIGHT = "kv_picker_endpoint_in_flight_requests"
+UNSEEN = "kv_picker_responses_unseen_total"
 
 
 def test_streams_without_responses_are_counted_and_logged() -> None:
@@ -38,7 +47,7 @@ def test_streams_without_responses_are_counted_and_logged() -> None:
         for _ in range(3):
             reply = post(f"http://127.0.0.1:{port}/v1/completions", body)
             assert reply.status == 200, reply.body
-        assert _unseen(stack) == 3
+        assert _settled(stack, UNSEEN, 3) == 3
         assert stack.picker is not None
         log = stack.picker.log_tail()
         assert log.count("response_body_mode NONE") == 1, log
@@ -47,7 +56,8 @@ def test_streams_without_responses_are_counted_and_logged() -> None:
         stack.launch_envoy("envoy-gie", mode_bootstrap("gie", gateway, gateway_admin,
                            stack.picker_grpc_port), gateway_admin)  # fmt: skip
         assert post(f"http://127.0.0.1:{gateway}/v1/completions", body).status == 200
-        assert _unseen(stack) == 3
+        assert _settled(stack, IN_FLIGHT, 0) == 0
+        assert _sample(stack, UNSEEN) == 3
 
 
 def test_a_filter_in_observability_mode_is_ignored_not_routed() -> None:
@@ -70,10 +80,11 @@ def test_a_filter_in_observability_mode_is_ignored_not_routed() -> None:
             reply = post(f"http://127.0.0.1:{port}/v1/completions", body)
             assert reply.status == 200, reply.body
             assert reply.body.rstrip().endswith(b"data: [DONE]")
-        assert _sample(stack, "kv_picker_observability_streams_total") == 3
-        # Each request was routed once, by the routing filter, and released at its end.
+        assert _settled(stack, "kv_picker_observability_streams_total", 3) == 3
+        # Each request was routed once, by the routing filter, and released at its end (which
+        # the picker may handle just after the client has the last byte).
         assert _sample(stack, "kv_picker_picks_total") == 3
-        assert _sample(stack, "kv_picker_endpoint_in_flight_requests") == 0
+        assert _settled(stack, IN_FLIGHT, 0) == 0
         assert stack.picker is not None
         assert stack.picker.log_tail().count("in observability_mode") == 1
 
@@ -92,18 +103,13 @@ def test_response_trailers_alone_keep_the_request_in_flight_to_its_end() -> None
                     "ignore_eos": True, "stream": True}  # fmt: skip
             with ThreadPoolExecutor(1) as pool:
                 reply = pool.submit(post, f"http://127.0.0.1:{port}/v1/completions", body)
-                seen = []
+                seen: list[float] = []
                 while not reply.done() and len(seen) < 200:
-                    seen.append(_sample(stack, "kv_picker_endpoint_in_flight_requests"))
+                    seen.append(_sample(stack, IN_FLIGHT))
                     time.sleep(0.05)
                 assert reply.result().status == 200
             in_flight[mode] = seen
         assert max(in_flight["lean"]) == 1, in_flight
         # Without the trailers, Envoy ends the stream once the request is routed.
         assert max(in_flight["streamed"][4:]) == 0, in_flight
-        deadline = time.monotonic() + 10
-        while (
-            _sample(stack, "kv_picker_endpoint_in_flight_requests") and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
-        assert _sample(stack, "kv_picker_endpoint_in_flight_requests") == 0
+        assert _settled(stack, IN_FLIGHT, 0) == 0
