@@ -173,10 +173,8 @@ class Director:
         self.pending = 0
         # Kept across reloads: its state is about the load, not the config.
         self.queue_gate = QueueDelayGate()
-        # Set once a stream has shown that Envoy does not send responses, or that a filter in
-        # observability mode sends here (each logged once).
-        self.responses_unseen_warned = False
-        self.observability_warned = False
+        # Kinds of Envoy misconfiguration a stream has shown already (each logged once).
+        self.config_warnings: set[str] = set()
         # Set by the app when tracing is configured; None costs one test per stage.
         self.tracer: RequestTracer | None = None
         # With serve --workers: the other workers learn this one's picks (kv_picker.peers).

@@ -72,6 +72,21 @@ NO_BODY = _BodyMode.NONE
 MAX_STAMP_AGE_S = 300.0
 BUFFERED = _BodyMode.BUFFERED
 
+NO_BODIES_WARNING = (
+    "Envoy sends kv-picker no response bodies (ext_proc processing_mode response_body_mode "
+    "NONE): the picker cannot see a response's first byte, so each request's prefill counts as "
+    "queued until its stream ends, nor its token usage; with response_trailer_mode SKIP too, "
+    "Envoy ends the stream as soon as the request is routed, and the picker stops counting the "
+    "request as in flight then. Set response_header_mode SEND and response_body_mode "
+    "FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request body). Counted in "
+    "kv_picker_responses_unseen_total."
+)
+OBSERVABILITY_WARNING = (
+    "an Envoy ext_proc filter in observability_mode sends to kv-picker: Envoy drops the replies "
+    "to such a filter, so its streams cannot route and are ignored. Route with a filter whose "
+    "observability_mode is false. Counted in kv_picker_observability_streams_total."
+)
+
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """gRPC servicer for ``envoy.service.ext_proc.v3.ExternalProcessor``."""
@@ -147,7 +162,9 @@ class RequestStream:
             # is ignored, rather than counted as a request of its own next to the real one.
             if not self.observed:
                 self.observed = True
-                self._observability_stream()
+                self._misconfigured(
+                    self.metrics.observability_streams, "observability", OBSERVABILITY_WARNING
+                )
             return
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
@@ -480,35 +497,14 @@ class RequestStream:
             self._finish()
             self.complete = True
 
-    def _observability_stream(self) -> None:
-        self.metrics.observability_streams.inc()
-        director = self.director
-        if not director.observability_warned:
-            director.observability_warned = True
-            log.warning(
-                "an Envoy ext_proc filter in observability_mode sends to kv-picker: Envoy drops "
-                "the replies to such a filter, so its streams cannot route and are ignored. "
-                "Route with a filter whose observability_mode is false. Counted in "
-                "kv_picker_observability_streams_total."
-            )
-
-    def _response_unseen(self) -> None:
-        """Envoy announced that it sends no response body on this stream: the picker saw neither
-        the response's first byte nor its usage, and maybe not its end (see the warning)."""
-        self.metrics.responses_unseen.inc()
-        director = self.director
-        if not director.responses_unseen_warned:
-            director.responses_unseen_warned = True
-            log.warning(
-                "Envoy sends kv-picker no response bodies (ext_proc processing_mode "
-                "response_body_mode NONE): the picker cannot see a response's first byte, so "
-                "each request's prefill counts as queued until its stream ends, nor its token "
-                "usage; with response_trailer_mode SKIP too, Envoy ends the stream as soon as "
-                "the request is routed, and the picker stops counting the request as in flight "
-                "then. Set response_header_mode SEND and response_body_mode "
-                "FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request body). Counted in "
-                "kv_picker_responses_unseen_total."
-            )
+    def _misconfigured(self, counter: Any, kind: str, message: str) -> None:
+        """Count a stream that Envoy's configuration keeps from routing well; log the first of
+        each ``kind`` in this process as a warning."""
+        counter.inc()
+        warned = self.director.config_warnings
+        if kind not in warned:
+            warned.add(kind)
+            log.warning(message)
 
     def _finish(self) -> None:
         # Only a routed request has anything to release; release it exactly once.
@@ -519,7 +515,9 @@ class RequestStream:
         usage = self.usage.result() if self.usage is not None else None
         routed.finish(usage.completion_tokens if usage is not None else None)
         if self.response_body_mode == NO_BODY:
-            self._response_unseen()
+            # The picker saw neither the response's first byte nor its usage, and maybe not
+            # its end (see the warning).
+            self._misconfigured(self.metrics.responses_unseen, "no-bodies", NO_BODIES_WARNING)
         metrics = self.metrics
         metrics.request_seconds.observe(time.perf_counter() - self.started_s)
         if usage is not None:
