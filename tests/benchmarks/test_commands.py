@@ -113,6 +113,19 @@ def test_overhead_benchmark_streams_tokens_through_every_path(tmp_path: Path) ->
     assert "| chunk gap p99 ms, direct / floor / picker |" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--output-tokens", "0"], "--output-tokens must be at least 1"),
+        (["--output-tokens", "8", "--time-scale", "0"], "--time-scale must be positive"),
+        (["--modes", "gie,leaner"], "--modes: unknown leaner"),
+    ],
+)
+def test_overhead_benchmark_refuses_bad_stream_options(args: list[str], message: str) -> None:
+    result = kv_picker("bench", "overhead", *args, timeout_s=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_pd_benchmark_smoke(tmp_path: Path) -> None:
     result = kv_picker(
         "bench",
