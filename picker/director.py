@@ -9,6 +9,8 @@ route(request, metadata) ─> RoutedRequest     candidates → admission → sch
    │                                          in-flight slot taken, queued prefill counted
    │                                          (P/D: in flight at the prefill endpoint too)
    ├── first_byte()                           the prompt has been processed: prefill done
+   │     (or, when the gateway shows no response body: no_first_byte(), and the prefill ends
+   │      when the endpoint's scraped first-token count says so)
    └── finish(output_tokens)                  the response ended: slot released (once), the
                                               request log's row queued (with a request log)
 ```
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from kv_picker.admission import Admission, QueueDelayGate
 from kv_picker.config import PickerConfig
-from kv_picker.endpoint import Endpoint
+from kv_picker.endpoint import Endpoint, EndpointId
 from kv_picker.errors import InternalError, NoEndpointsError, PickerError, SaturatedError
 from kv_picker.handlers.body import parse_request
 from kv_picker.metrics import PickerMetrics
@@ -61,6 +64,7 @@ class RoutedRequest:
 
     __slots__ = (
         "_answered",
+        "_blind",
         "_director",
         "_finished",
         "_logged",
@@ -99,6 +103,7 @@ class RoutedRequest:
         self._finished = dry_run
         self._picked_s = director.store.now()
         self._answered = False
+        self._blind = False
         self._logged: LoggedRequest | None = None
 
     @property
@@ -110,7 +115,20 @@ class RoutedRequest:
         """The first response byte: the prompt has been processed, its prefill is no longer
         queued work (idempotent)."""
         self._answered = True
+        if self._prefill is not None:
+            self._director._settled_one(self._prefill[0])
         self._end_prefill()
+
+    def no_first_byte(self) -> None:
+        """The gateway will not show this response's first byte (Envoy sends no response body
+        to the picker). Its prefill ends instead when the endpoint's scraped first-token count
+        grows past the requests queued there before it (:meth:`Director._first_tokens`), or
+        when it finishes, whichever comes first. Idempotent; nothing happens once the prefill
+        ended."""
+        if self._blind or self._prefill is None:
+            return
+        self._blind = True
+        self._director._await_first_token(self, self._prefill[0])
 
     def _end_prefill(self) -> None:
         prefill, self._prefill = self._prefill, None
@@ -124,6 +142,9 @@ class RoutedRequest:
             output_tokens: the completion tokens the endpoint reported in the response's
                 usage, None when it reported none (only the request log reads it).
         """
+        if self._blind and self._prefill is not None:
+            # Its first token (if it had one) is in the endpoint's count, still to be scraped.
+            self._director._settled_one(self._prefill[0])
         self._end_prefill()
         if self._finished:
             return
@@ -179,6 +200,13 @@ class Director:
         self.tracer: RequestTracer | None = None
         # With serve --workers: the other workers learn this one's picks (kv_picker.peers).
         self.peers: PeerSync | None = None
+        # Requests whose first byte the gateway does not show, per endpoint computing their
+        # prompt, oldest first; the prefill ends they learned of otherwise since that endpoint's
+        # last scrape; and the fraction of a first token not yet given to one of them.
+        self._blind: dict[int, deque[RoutedRequest]] = {}
+        self._settled: dict[int, int] = {}
+        self._carry: dict[int, float] = {}
+        self._first_tokens_subscription = store.on_first_tokens(self._first_tokens)
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
         """Adopt a new config; requests already routed keep their picks."""
@@ -427,6 +455,59 @@ class Director:
             store.prefill_done(endpoint.id, tokens, pairs)
             if separate and store.in_flight[endpoint.id] > 0:
                 store.in_flight[endpoint.id] -= 1
+
+    # -- prefills whose end the gateway does not show --------------------------------------
+
+    def _await_first_token(self, handle: RoutedRequest, target: Endpoint) -> None:
+        if self.store.get(target.id) is not target or self.store.first_tokens[target.id] < 0:
+            return  # no count to learn the end from: the prefill ends with the request
+        queue = self._blind.get(target.id)
+        if queue is None:
+            queue = self._blind[target.id] = deque()
+        while queue and queue[0]._prefill is None:
+            queue.popleft()
+        queue.append(handle)
+
+    def _settled_one(self, target: Endpoint) -> None:
+        """A prefill at ``target`` ended, and the picker learned it otherwise than from the
+        first-token count: the count's next growth includes it."""
+        if target.id in self._blind:
+            self._settled[target.id] = self._settled.get(target.id, 0) + 1
+
+    def _first_tokens(self, endpoint_id: int, count: float) -> None:
+        """A scrape of ``endpoint_id`` says it gave ``count`` first tokens since the last one.
+
+        The engine serves its queue first come, first served, so those first tokens went to
+        the oldest requests there whose prefill had not ended: the prefills of that many of
+        the blind requests end, oldest first, less the ones the picker learned of otherwise
+        (first bytes it saw, blind requests that finished). With ``serve --workers`` the
+        other workers' requests are queued there too, and this worker takes its share of the
+        count: its blind requests over every worker's queued prefills there.
+        """
+        queue = self._blind.get(endpoint_id)
+        settled = self._settled.pop(endpoint_id, 0)
+        while queue and queue[0]._prefill is None:
+            queue.popleft()
+        if not queue:
+            self._blind.pop(endpoint_id, None)
+            self._carry.pop(endpoint_id, None)
+            return
+        if self.peers is not None:
+            queued = self.store.prefill_requests[endpoint_id]
+            count *= len(queue) / max(queued, len(queue))
+        carry = self._carry.get(endpoint_id, 0.0) + count - settled
+        endpoint = self.store.get(EndpointId(endpoint_id))
+        while carry >= 1.0 and queue:
+            handle = queue.popleft()
+            prefill = handle._prefill
+            if prefill is None or prefill[0] is not endpoint:
+                continue  # ended meanwhile (counted in settled), or sent to a removed endpoint
+            carry -= 1.0
+            handle._answered = True
+            handle._end_prefill()
+        # More first bytes seen than counted: the count has yet to catch up (a scrape read
+        # before they were sent); never owed more than the requests still waiting.
+        self._carry[endpoint_id] = max(carry, -float(len(queue))) if queue else 0.0
 
     def _log_finished(self, logged: LoggedRequest, output_tokens: int | None) -> None:
         if self.request_log is not None:

@@ -17,7 +17,8 @@ frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, .
              separate: the target was a prefill endpoint, where it was in flight too)
   snapshot  [4, {address: [in flight, in-flight tokens, prefill tokens, prefill requests,
              prefill pairs]}]                                            (every 0.5 s)
-  scraped   [5, address, waiting, running, KV usage, block size, GPU blocks, LoRA | None]
+  scraped   [5, address, waiting, running, KV usage, block size, GPU blocks, LoRA | None,
+             first tokens | None]
   failed    [6, address, reason]                                  (a scrape of the endpoint)
   ask state [7]                          (a worker started again, once it knows its endpoints)
 
@@ -378,7 +379,7 @@ class PeerSync:
             tokens, pairs = _numbers(message[2:4])
             separate = _bool(message[4])
             self._apply(peer, _address(message[1]), _prefilled_delta(tokens, pairs, separate))
-        elif kind == SCRAPED and len(message) == 8:
+        elif kind == SCRAPED and len(message) == 9:
             signals = decode_signals(message[1:])
             if self.on_scrape is not None:
                 self.on_scrape(_address(message[1]), signals, "")

@@ -75,11 +75,13 @@ BUFFERED = _BodyMode.BUFFERED
 NO_BODIES_WARNING = (
     "Envoy sends kv-picker no response bodies (ext_proc processing_mode response_body_mode "
     "NONE): the picker cannot see a response's first byte, so each request's prefill counts as "
-    "queued until its stream ends, nor its token usage; with response_trailer_mode SKIP too, "
-    "Envoy ends the stream as soon as the request is routed, and the picker stops counting the "
-    "request as in flight then. Set response_header_mode SEND and response_body_mode "
-    "FULL_DUPLEX_STREAMED (or STREAMED with a BUFFERED request body). Counted in "
-    "kv_picker_responses_unseen_total."
+    "queued until the endpoint's scraped first-token count (vllm:time_to_first_token_seconds) "
+    "shows it ended, or until its stream ends when the endpoint exports none; nor can it see "
+    "the token usage. With response_trailer_mode SKIP too, Envoy ends the stream as soon as the "
+    "request is routed, and the picker stops counting the request as in flight then. Set "
+    "response_header_mode SEND and response_body_mode FULL_DUPLEX_STREAMED (or STREAMED with a "
+    "BUFFERED request body), or, to spare the picker the response chunks, response_body_mode "
+    "NONE with response_trailer_mode SEND. Counted in kv_picker_responses_unseen_total."
 )
 OBSERVABILITY_WARNING = (
     "an Envoy ext_proc filter in observability_mode sends to kv-picker: Envoy drops the replies "
@@ -418,6 +420,8 @@ class RequestStream:
     def _routed(self, routed: RoutedRequest) -> RoutedRequest:
         self._leave_pending()
         self.routed = routed
+        if self.response_body_mode == NO_BODY:
+            routed.no_first_byte()  # the endpoint's first-token count will tell
         self.picked_s = time.perf_counter()
         return routed
 

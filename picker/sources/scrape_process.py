@@ -155,8 +155,9 @@ class ProcessScraper(MetricsScraper):
 
 
 def decode_signals(message: Sequence[Any]) -> EndpointSignals:
-    """[name, waiting, running, KV usage, block size, GPU blocks, LoRA] -> signals."""
-    _, waiting, running, kv_usage, block_size, num_blocks, lora = message
+    """[name, waiting, running, KV usage, block size, GPU blocks, LoRA, first tokens | None]
+    -> signals."""
+    _, waiting, running, kv_usage, block_size, num_blocks, lora, first_tokens = message
     return EndpointSignals(
         waiting=float(waiting),
         running=float(running),
@@ -166,6 +167,7 @@ def decode_signals(message: Sequence[Any]) -> EndpointSignals:
         lora=None
         if lora is None
         else LoraState(frozenset(lora[0]), frozenset(lora[1]), int(lora[2])),
+        first_tokens=None if first_tokens is None else float(first_tokens),
     )
 
 
@@ -180,6 +182,7 @@ def encode_signals(name: object, signals: EndpointSignals) -> list[Any]:
         signals.block_size_tokens,
         signals.num_gpu_blocks,
         None if lora is None else [sorted(lora.running), sorted(lora.waiting), lora.max_lora],
+        signals.first_tokens,
     ]
 
 

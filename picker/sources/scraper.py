@@ -36,7 +36,10 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
 LORA_INFO = "vllm:lora_requests_info"
-_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG, LORA_INFO)
+# The count of the TTFT histogram: how many requests got a first token. Its growth tells the
+# picker which prefills ended when the gateway shows it no response body (see director.py).
+FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
+_WANTED = (WAITING, RUNNING, KV_USAGE, KV_USAGE_OLD, CACHE_CONFIG, LORA_INFO, FIRST_TOKENS)
 _WANTED_PREFIXES = tuple(
     f"{prefix}{name}" for name in _WANTED for prefix in ("", "# TYPE ", "# HELP ")
 )
@@ -52,6 +55,7 @@ class EndpointSignals:
     block_size_tokens: int = 0
     num_gpu_blocks: int = 0
     lora: LoraState | None = None
+    first_tokens: float | None = None
 
 
 def _adapters(value: str) -> frozenset[str]:
@@ -66,7 +70,7 @@ def parse_vllm_metrics(text: str) -> EndpointSignals:
     """Read the routing signals from a Prometheus text exposition.
 
     Gauges with several series (one per engine) are summed, except KV usage which takes the
-    fullest engine.
+    fullest engine. The first-token count is summed over its series too (engines, models).
 
     Raises:
         MetricsParseError: the text is not valid exposition format, or has no queue metric.
@@ -86,6 +90,8 @@ def parse_vllm_metrics(text: str) -> EndpointSignals:
                     seen_queue = True
                 elif name == RUNNING:
                     signals.running += value
+                elif name == FIRST_TOKENS:
+                    signals.first_tokens = (signals.first_tokens or 0.0) + value
                 elif name == KV_USAGE:
                     kv_new = value if kv_new is None else max(kv_new, value)
                 elif name == KV_USAGE_OLD:
@@ -255,6 +261,7 @@ class MetricsScraper:
             block_size_tokens=signals.block_size_tokens,
             num_gpu_blocks=signals.num_gpu_blocks,
             lora=signals.lora,
+            first_tokens=signals.first_tokens,
         )
         address = endpoint.address
         self.metrics.endpoint_waiting.labels(address).set(signals.waiting)

@@ -25,6 +25,9 @@ in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flig
 recent_tokens: 31000.0 0.0      0.0        uncached prompt tokens sent here to be computed, each
                                             decayed by exp(-age / 30 s) (read with recent_prefill)
 recent_pairs:  4.1e8  0.0       0.0        their attention work, decayed the same way
+first_tokens: 812.0  40.0       -1.0       requests the endpoint has given a first token, as
+                                            its last scrape says (the count of vLLM's
+                                            vllm:time_to_first_token_seconds; -1: not exported)
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```
@@ -108,6 +111,7 @@ class EndpointStore:
         # of the engine's sequence slots, at most.
         self.request_s: list[float] = []
         self.scraped_s: list[float] = []
+        self.first_tokens: list[float] = []
         self.ready: list[bool] = []
         self.block_size_tokens: list[int] = []
         self.num_gpu_blocks: list[int] = []
@@ -115,6 +119,7 @@ class EndpointStore:
         self._free_ids: list[EndpointId] = []
         self._on_removed: list[Callable[[EndpointId], None]] = []
         self._on_change: list[MembershipCallback] = []
+        self._on_first_tokens: list[Callable[[EndpointId, float], None]] = []
         # The ready list is rebuilt only when readiness or membership changes.
         self._ready_cache: list[Endpoint] | None = None
 
@@ -140,6 +145,20 @@ class EndpointStore:
         """
         self._on_change.append(callback)
         return Subscription(self._on_change, callback)
+
+    def on_first_tokens(self, callback: Callable[[EndpointId, float], None]) -> Subscription:
+        """Register a callback run on each good scrape that reports the endpoint's first-token
+        count, with how many first tokens it gave since the previous such scrape (0 on the
+        first, and after the count went down: the server restarted).
+
+        It runs before the scrape's own-request snapshot (``scraped_prefill_requests``) is
+        taken, so prefills it ends are no longer this picker's queued requests in that scrape.
+
+        Returns:
+            A handle whose ``cancel()`` unregisters the callback (idempotent).
+        """
+        self._on_first_tokens.append(callback)
+        return Subscription(self._on_first_tokens, callback)
 
     def num_subscribers(self) -> int:
         """Callbacks registered with :meth:`on_removed` (a reload must not grow this)."""
@@ -185,6 +204,7 @@ class EndpointStore:
             self.endpoints.append(None)
             for floats in (self.waiting, self.running, self.kv_usage, self.scraped_s):
                 floats.append(0.0)
+            self.first_tokens.append(-1.0)
             self.in_flight.append(0)
             self.prefill_tokens.append(0.0)
             self.prefill_requests.append(0)
@@ -206,6 +226,7 @@ class EndpointStore:
         self.running[endpoint_id] = 0.0
         self.kv_usage[endpoint_id] = 0.0
         self.scraped_s[endpoint_id] = 0.0
+        self.first_tokens[endpoint_id] = -1.0
         self.in_flight[endpoint_id] = 0
         self.prefill_tokens[endpoint_id] = 0.0
         self.prefill_requests[endpoint_id] = 0
@@ -256,8 +277,21 @@ class EndpointStore:
         block_size_tokens: int = 0,
         num_gpu_blocks: int = 0,
         lora: LoraState | None = None,
+        first_tokens: float | None = None,
     ) -> None:
-        """Record one good scrape; marks the endpoint ready."""
+        """Record one good scrape; marks the endpoint ready.
+
+        ``first_tokens``: the endpoint's count of requests given a first token (None: it
+        exports none); its growth is passed to the :meth:`on_first_tokens` callbacks.
+        """
+        if first_tokens is None:
+            self.first_tokens[endpoint_id] = -1.0
+        else:
+            previous = self.first_tokens[endpoint_id]
+            self.first_tokens[endpoint_id] = first_tokens
+            count = first_tokens - previous if 0.0 <= previous <= first_tokens else 0.0
+            for callback in self._on_first_tokens:
+                callback(endpoint_id, count)
         self.lora[endpoint_id] = lora
         self.waiting[endpoint_id] = waiting
         self.running[endpoint_id] = running

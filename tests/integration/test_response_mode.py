@@ -113,3 +113,35 @@ def test_response_trailers_alone_keep_the_request_in_flight_to_its_end() -> None
         # Without the trailers, Envoy ends the stream once the request is routed.
         assert max(in_flight["streamed"][4:]) == 0, in_flight
         assert _settled(stack, IN_FLIGHT, 0) == 0
+
+
+QUEUED_PREFILL = "kv_picker_endpoint_queued_prefill_tokens"
+
+
+def test_without_response_bodies_the_scraped_first_token_count_ends_the_prefill() -> None:
+    """``lean``: the picker sees no first byte, yet the request's prefill stops counting as
+    queued work once a scrape shows the endpoint's first-token count grew, while the request
+    itself stays in flight to its end."""
+    with LocalStack(sims=1, time_scale=1.0, start_envoy=False) as stack:
+        port, admin = free_port(), free_port()
+        stack.launch_envoy("envoy-lean", mode_bootstrap("lean", port, admin,
+                           stack.picker_grpc_port), admin)  # fmt: skip
+        # A prompt of about 4,000 uncached tokens (0.4 s of prefill, four scrapes), then about
+        # 1.4 s of decoding.
+        body = {"model": "sim-model", "prompt": "tell me a long story " * 800, "max_tokens": 200,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        samples: list[tuple[float, float]] = []
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(post, f"http://127.0.0.1:{port}/v1/completions", body)
+            while not reply.done() and len(samples) < 400:
+                samples.append((_sample(stack, IN_FLIGHT), _sample(stack, QUEUED_PREFILL)))
+                time.sleep(0.02)
+            assert reply.result().status == 200
+        in_flight = [queued for flying, queued in samples if flying == 1]
+        assert in_flight, samples
+        # Queued right after the pick (the scrape before the first token) ...
+        assert in_flight[0] > 0, samples
+        # ... and no longer once a scrape counted the first token, long before the end.
+        assert in_flight[-1] == 0, samples
+        assert sum(1 for queued in in_flight if queued == 0) > len(in_flight) // 2, samples
+        assert _settled(stack, IN_FLIGHT, 0) == 0

@@ -206,7 +206,7 @@ def test_another_workers_scrapes_reach_the_scrape_sink(tmp_path: Path) -> None:
     seen: list[tuple[str, EndpointSignals | None, str]] = []
     b.sync.on_scrape = lambda address, signals, reason: seen.append((address, signals, reason))
     lora = LoraState(frozenset({"a"}), frozenset(), 2)
-    signals = EndpointSignals(3.0, 1.0, 0.5, 16, 4096, lora)
+    signals = EndpointSignals(3.0, 1.0, 0.5, 16, 4096, lora, first_tokens=812.0)
     sender = Worker(tmp_path, 0, 2, ADDRESSES)
     sent: list[list[object]] = []
     sender.sync._send = sent.append  # type: ignore[method-assign]
@@ -214,7 +214,7 @@ def test_another_workers_scrapes_reach_the_scrape_sink(tmp_path: Path) -> None:
     sender.sync.scraped(sender.endpoint(ADDRESSES[1]), None, "connection refused")
     b.sync.apply(frame(0, 1, *sent))
     assert seen == [(ADDRESSES[0], signals, ""), (ADDRESSES[1], None, "connection refused")]
-    b.sync.apply(frame(0, 1, [SCRAPED, ADDRESSES[0], "many", 1.0, 0.5, 16, 4096, None]))
+    b.sync.apply(frame(0, 1, [SCRAPED, ADDRESSES[0], "many", 1.0, 0.5, 16, 4096, None, 3]))
     assert b.sync.malformed == 1 and len(seen) == 2
 
 

@@ -24,6 +24,8 @@ vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",n
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 812.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 40.0
 """
 
 
@@ -31,13 +33,17 @@ def test_reads_vllm_exposition() -> None:
     signals = parse_vllm_metrics(VLLM_TEXT)
     assert (signals.waiting, signals.running, signals.kv_usage) == (5.0, 5.0, 0.5)
     assert (signals.block_size_tokens, signals.num_gpu_blocks) == (16, 2048)
+    # The TTFT histogram's count, summed over engines: the requests given a first token.
+    assert signals.first_tokens == 852.0
 
 
 def test_accepts_the_old_kv_usage_name() -> None:
     text = (
         "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.75\n"
     )
-    assert parse_vllm_metrics(text).kv_usage == 0.75
+    signals = parse_vllm_metrics(text)
+    assert signals.kv_usage == 0.75
+    assert signals.first_tokens is None  # not exported: unknown, not zero
 
 
 @pytest.mark.parametrize(
