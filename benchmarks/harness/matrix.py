@@ -848,15 +848,15 @@ def _timing_overrides(name: str) -> dict[str, Any]:
     }
 
 
-RESPONSES = ("full", "lean")
+RESPONSES = ("full", "lean", "end-only")
 
 
 def _overrides_for(responses: str) -> Callable[[str], dict[str, Any]]:
     """The cluster overrides of each timing profile, seen through ``--responses``."""
-    first_byte_seen = responses == "full"
+    seen = {"first_byte_seen": responses == "full", "first_tokens_scraped": responses != "end-only"}
 
     def overrides(name: str) -> dict[str, Any]:
-        return {**_timing_overrides(name), "first_byte_seen": first_byte_seen}
+        return {**_timing_overrides(name), **seen}
 
     return overrides
 
@@ -917,8 +917,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=RESPONSES,
         default="full",
         help="what the gateway shows the picker of each response: full (every chunk, so the "
-        "first byte and the end: the GIE's configuration; the default) or lean (the end only: "
-        "response trailers alone, see kv-picker bench overhead --modes lean)",
+        "first byte and the end: the GIE's configuration; the default), lean (the end only: "
+        "response trailers alone, see kv-picker bench overhead --modes lean; a prefill ends "
+        "when the endpoint's scraped first-token count says so) or end-only (lean, with "
+        "servers that export no first-token count: a prefill ends with its request)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
     parser.add_argument(

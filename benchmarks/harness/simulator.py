@@ -130,7 +130,11 @@ class ClusterConfig:
         first_byte_seen: The picker sees each response's first byte, as through Envoy with
             response bodies sent to it (the GIE's configuration). False: it sees only each
             response's end, as with response trailers alone (``bench overhead --modes lean``),
-            so a request's prefill stays queued in its accounting until the request ends.
+            so a request's prefill stays queued in its accounting until the endpoint's
+            scraped first-token count shows it ended (or the request ends).
+        first_tokens_scraped: The scrape reports each endpoint's first-token count
+            (vLLM's ``vllm:time_to_first_token_seconds_count``). False: as a server that
+            exports none, so without first bytes a prefill stays queued until its request ends.
     """
 
     endpoints: tuple[EndpointSetup, ...]
@@ -148,6 +152,7 @@ class ClusterConfig:
     cache_output_blocks: bool = True
     model: str = "sim-model"
     first_byte_seen: bool = True
+    first_tokens_scraped: bool = True
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -315,6 +320,7 @@ class _Engine:
         "decode_context",
         "decoding",
         "event_s",
+        "first_tokens",
         "hardware",
         "id",
         "max_batched",
@@ -360,6 +366,8 @@ class _Engine:
         self.event_s = math.inf
         self.version = 0
         self.stats = EndpointStats(capacity_blocks=capacity_blocks)
+        # Requests given a first token (vllm:time_to_first_token_seconds's count).
+        self.first_tokens = 0
 
 
 class _KVEventRelay:
@@ -594,6 +602,7 @@ class ClusterSimulator:
         saved_s = clock.now_s
         clock.now_s = tick_s
         store = self.store
+        first_tokens = self.config.first_tokens_scraped
         for index in sorted(self._dirty):
             engine = self.engines[index]
             store.update_metrics(
@@ -603,6 +612,7 @@ class ClusterSimulator:
                 kv_usage=engine.cache.usage,
                 block_size_tokens=self.config.block_size,
                 num_gpu_blocks=engine.cache.num_gpu_blocks,
+                first_tokens=float(engine.first_tokens) if first_tokens else None,
             )
         clock.now_s = saved_s
         self._dirty.clear()
@@ -752,6 +762,8 @@ class ClusterSimulator:
             outcome.status, outcome.detail = ERROR, f"{type(exc).__name__}: {exc}"
             return
         self._routed[outcome.index] = routed
+        if not config.first_byte_seen:
+            routed.no_first_byte()
         decode_id = routed.endpoint.id
         prefill_id = routed.prefill_endpoint.id if routed.prefill_endpoint is not None else -1
         decode_index = decode_id
@@ -997,6 +1009,8 @@ class ClusterSimulator:
         self._wake(engine, now_s, True)
 
     def _first_token(self, engine: _Engine, seq: _Seq, now_s: float) -> None:
+        engine.first_tokens += 1  # a prefill leg's token counts at its endpoint too, as in vLLM
+        self._dirty.add(engine.id)
         if seq.leg == 1:
             return  # the prefill leg's token is not the client's
         seq.outcome.first_token_s = now_s

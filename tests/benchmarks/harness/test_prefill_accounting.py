@@ -115,9 +115,14 @@ def test_under_pd_the_prefill_endpoint_carries_the_work() -> None:
     assert simulator.store.prefill_requests == [0, 0]
 
 
-def test_under_pd_the_prefill_endpoint_counts_the_request_in_flight_until_its_first_byte() -> None:
+@pytest.mark.parametrize("first_byte_seen", [True, False], ids=["first-bytes", "scraped-count"])
+def test_under_pd_the_prefill_endpoint_counts_the_request_in_flight_until_its_first_byte(
+    first_byte_seen: bool,
+) -> None:
     # The second request arrives while the first is prefilling (0.4 s of work), the third
     # after the first's prefill leg has ended but while it still decodes at the decode endpoint.
+    # Without first bytes, the prefill endpoint's own first-token count (its prefill leg's
+    # token) ends it there.
     trace = make_trace(
         [
             (0.0, 4000, 400, list(range(1, 251))),
@@ -126,7 +131,7 @@ def test_under_pd_the_prefill_endpoint_counts_the_request_in_flight_until_its_fi
         ]
     )
     config = replace(
-        small_cluster(2, num_gpu_blocks=1000),
+        small_cluster(2, num_gpu_blocks=1000, first_byte_seen=first_byte_seen),
         endpoints=(EndpointSetup("prefill"), EndpointSetup("decode")),
     )
     simulator = _simulator(trace, config, pd_variant(TOKEN_AWARE))
@@ -160,18 +165,29 @@ def test_a_refused_request_does_not_count_toward_how_long_requests_last() -> Non
     assert simulator.store.request_s[0] == pytest.approx(served.finish_s - served.arrival_s)
 
 
-@pytest.mark.parametrize("first_byte_seen", [True, False])
-def test_without_first_bytes_a_prefill_stays_queued_until_its_request_ends(
-    first_byte_seen: bool,
+@pytest.mark.parametrize(
+    ("first_byte_seen", "first_tokens_scraped", "queued"),
+    [(True, True, False), (False, True, False), (False, False, True)],
+    ids=["first-bytes", "scraped-first-tokens", "end-only"],
+)
+def test_without_first_bytes_a_prefill_stays_queued_until_the_count_or_its_end_says(
+    first_byte_seen: bool, first_tokens_scraped: bool, queued: bool
 ) -> None:
     # The second request arrives while the first decodes its 300 tokens, long after its prefill.
     trace = make_trace([(0.0, 4000, 300, list(range(1, 251))), (1.0, 64, 4, [900, 901, 902, 903])])
-    config = small_cluster(1, num_gpu_blocks=1000, first_byte_seen=first_byte_seen)
+    config = small_cluster(
+        1,
+        num_gpu_blocks=1000,
+        first_byte_seen=first_byte_seen,
+        first_tokens_scraped=first_tokens_scraped,
+    )
     simulator = _simulator(trace, config, TOKEN_AWARE)
     result, seen = _replay_recording(simulator)
     assert [o.status for o in result.outcomes] == [OK, OK]
     assert result.outcomes[0].first_token_s < 1.0 < result.outcomes[0].finish_s
-    assert seen[1] == (([0.0], [0]) if first_byte_seen else ([4000.0], [1]))
+    # Without first bytes, the scrape after the first token ends the prefill (the endpoint's
+    # first-token count grew); a server that exports no count leaves it queued to the end.
+    assert seen[1] == (([4000.0], [1]) if queued else ([0.0], [0]))
     # Either way, every request's end releases what it queued.
     assert simulator.store.prefill_tokens == [0.0]
     assert simulator.store.prefill_requests == [0]
