@@ -38,6 +38,8 @@ from kv_picker.wire import DESTINATION_HEADER
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 # The InferencePool's spec.endpointPickerRef.failureMode values.
 FAILURE_MODES = ("FailClose", "FailOpen")
+# What of each response the gateway sends the picker (see envoy_bootstrap).
+RESPONSES = ("full", "lean")
 FALLBACK_CLUSTER = "pool_fallback_cluster"
 # Envoy's request start in microseconds since the epoch (see request_start_stamp).
 REQUEST_START_HEADER = "x-request-start"
@@ -118,6 +120,7 @@ def envoy_bootstrap(
     pool_endpoints: Sequence[str] = (),
     access_log_path: str | None = None,
     picker_worker_ports: Sequence[int] = (),
+    responses: str = "full",
 ) -> dict[str, Any]:
     """Envoy bootstrap for the endpoint-picker contract (GIE reference configuration).
 
@@ -144,6 +147,12 @@ def envoy_bootstrap(
     The early removal matters: with the picker down, a destination header the client wrote
     would otherwise take route 1 to an address of the client's choosing.
 
+    ``responses``: ``full`` (headers, every body chunk and trailers go to the picker: the GIE's
+    configuration) or ``lean`` (response headers ``SKIP``, bodies ``NONE``, trailers ``SEND``:
+    the stream lasts to the response's end, no chunk passes through the picker, which learns
+    of prefills' ends from the endpoints' scraped first-token counts; see the README's Envoy
+    section).
+
     ``picker_worker_ports``: the ports of ``kv-picker serve --workers N --worker-ports ...``,
     one per worker; the ext_proc cluster lists them (on 127.0.0.1) instead of ``ext_proc_port``
     and balances streams over them by least requests. Through the shared port the kernel would
@@ -160,6 +169,8 @@ def envoy_bootstrap(
         raise ValueError(f"body_mode must be one of {BODY_MODES}")
     if failure_mode not in FAILURE_MODES:
         raise ValueError(f"failure_mode must be one of {FAILURE_MODES}")
+    if responses not in RESPONSES:
+        raise ValueError(f"responses must be one of {RESPONSES}")
     fail_open = failure_mode == "FailOpen"
     if fail_open and not pool_endpoints:
         raise ValueError("FailOpen needs the pool's endpoints to fall back to")
@@ -172,6 +183,12 @@ def envoy_bootstrap(
         "request_trailer_mode": "SEND" if full_duplex else "SKIP",
         "response_trailer_mode": "SEND" if full_duplex else "SKIP",
     }
+    if responses == "lean":
+        # Asking for the response's trailers keeps the stream open to its end (Envoy sends
+        # none when the upstream has none): the picker sees the end and no chunk.
+        processing_mode.update(
+            response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SEND"
+        )
 
     def socket_address(port: int) -> dict[str, Any]:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}

@@ -164,18 +164,15 @@ def mode_bootstrap(
         ext_proc_port,
         body_mode,
         picker_worker_ports=picker_worker_ports,
+        responses="lean" if mode == "lean" else "full",
     )
-    if mode != "gie":
+    if mode in ("streamed", "buffered"):
         (ext_proc,) = [
             f for f in _http_filters(bootstrap) if f["name"] == "envoy.filters.http.ext_proc"
         ]
         processing = ext_proc["typed_config"]["processing_mode"]
         processing.update(
-            response_header_mode="SKIP",
-            response_body_mode="NONE",
-            # lean: asking for the response's trailers keeps the stream open to its end (Envoy
-            # sends none when the upstream has none): the processor sees the end and no chunk.
-            response_trailer_mode="SEND" if mode == "lean" else "SKIP",
+            response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SKIP"
         )
     return bootstrap
 

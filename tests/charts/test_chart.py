@@ -362,7 +362,16 @@ def test_everything_on(tmp_path: Path) -> None:
     assert find(manifests, "PodDisruptionBudget")["spec"]["minAvailable"] == 2
 
 
-@pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["full-duplex", "buffered"])
+# Only each response's end reaches the picker (see the README's Envoy section).
+LEAN_RESPONSES: dict[str, Any] = {"envoy": {"responses": "lean"}}
+BUNDLED_ENVOYS = pytest.mark.parametrize(
+    "values",
+    [{}, EVERYTHING_ON, LEAN_RESPONSES, {"envoy": {"responses": "lean", "bodyMode": "BUFFERED"}}],
+    ids=["full-duplex", "buffered", "lean", "buffered-lean"],
+)
+
+
+@BUNDLED_ENVOYS
 def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> None:
     """The chart's Envoy config and the local stack's (which the integration tests run) agree
     on everything but addresses: filters, processing modes, the ORIGINAL_DST cluster."""
@@ -380,6 +389,7 @@ def test_bundled_envoy_config_is_the_local_stacks(values: dict[str, Any]) -> Non
         max_body_bytes=envoy_values["maxBodyBytes"],
         failure_mode="FailOpen" if fail_open else "FailClose",
         pool_endpoints=["10.0.0.1:8000"] if fail_open else (),
+        responses=envoy_values.get("responses", "full"),
     )
 
     def listener(config: dict[str, Any]) -> dict[str, Any]:
@@ -455,7 +465,7 @@ def _envoy_validate(config: dict[str, Any], tmp_path: Path) -> subprocess.Comple
     )
 
 
-@pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["full-duplex", "buffered"])
+@BUNDLED_ENVOYS
 def test_real_envoy_accepts_the_bundled_config(values: dict[str, Any], tmp_path: Path) -> None:
     values = copy.deepcopy(values)
     values.setdefault("envoy", {})["enabled"] = True
@@ -643,6 +653,7 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
             "config": {"endpoints": [{"address": "10.0.0.7:8000"}]},
         },
         {"envoy": {"enabled": True, "bodyMode": "STREAMED"}},
+        {"envoy": {"enabled": True, "responses": "none"}},
         {"envoy": {"enabled": True}, "tls": {"enabled": True, "secretName": "t"}},
         {"valkey": {"enabled": True}, "config": {"index": {"backend": "memory"}}},
     ],
