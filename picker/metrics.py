@@ -133,8 +133,9 @@ class PickerMetrics:
         self.responses_unseen = Counter(
             "kv_picker_responses_unseen",
             "Requests routed on ext_proc streams that carry no response body (Envoy's "
-            "processing_mode.response_body_mode NONE): the picker sees neither their first "
-            "byte nor their usage, and with response trailers skipped not their end either.",
+            "processing_mode.response_body_mode NONE) and ended without the response's end "
+            "(response trailers skipped: the stream ends once the request is routed, or the "
+            "client went away first).",
             registry=r,
         )
         self.observability_streams = Counter(

@@ -73,15 +73,23 @@ MAX_STAMP_AGE_S = 300.0
 BUFFERED = _BodyMode.BUFFERED
 
 NO_BODIES_WARNING = (
-    "Envoy sends kv-picker no response bodies (ext_proc processing_mode response_body_mode "
-    "NONE): the picker cannot see a response's first byte, so each request's prefill counts as "
-    "queued until the endpoint's scraped first-token count (vllm:time_to_first_token_seconds) "
-    "shows it ended, or until its stream ends when the endpoint exports none; nor can it see "
-    "the token usage. With response_trailer_mode SKIP too, Envoy ends the stream as soon as the "
-    "request is routed, and the picker stops counting the request as in flight then. Set "
+    "Envoy sends kv-picker no part of the responses (ext_proc processing_mode "
+    "response_body_mode NONE, response_header_mode SKIP): with response_trailer_mode SKIP too, "
+    "Envoy ends the stream as soon as the request is routed, so the picker stops counting the "
+    "request as in flight then and sees neither its first byte nor its end nor its usage. Set "
     "response_header_mode SEND and response_body_mode FULL_DUPLEX_STREAMED (or STREAMED with a "
     "BUFFERED request body), or, to spare the picker the response chunks, response_body_mode "
-    "NONE with response_trailer_mode SEND. Counted in kv_picker_responses_unseen_total."
+    "NONE with response_header_mode SEND and response_trailer_mode SEND. Counted in "
+    "kv_picker_responses_unseen_total."
+)
+LEAN_RESPONSES_INFO = (
+    "Envoy sends kv-picker response headers but no response body (response_body_mode NONE): "
+    "prefills end when the endpoint's scraped first-token count "
+    "(vllm:time_to_first_token_seconds) shows it, or with the request where the endpoint exports "
+    "none; the time-to-first-byte and token-usage histograms stay empty. This needs "
+    "response_trailer_mode SEND, which keeps the stream to the response's end: with SKIP, Envoy "
+    "ends it at the response headers, and the picker, which cannot tell, stops counting the "
+    "request as in flight then."
 )
 OBSERVABILITY_WARNING = (
     "an Envoy ext_proc filter in observability_mode sends to kv-picker: Envoy drops the replies "
@@ -138,6 +146,8 @@ class RequestStream:
         self.started_s = time.perf_counter()
         self.picked_s = 0.0
         self.first_byte_seen = False
+        # Response headers came (whatever the body mode): the response has started.
+        self.response_started = False
         self.usage: UsageReader | None = None
         self.closed = False
         self.finished = False
@@ -452,6 +462,7 @@ class RequestStream:
                 )
                 break
         self.usage = UsageReader(streaming="text/event-stream" in content_type)
+        self.response_started = True
         routed = self.routed
         extra = (
             self.director.response_headers(routed.request, routed.endpoint)
@@ -519,9 +530,15 @@ class RequestStream:
         usage = self.usage.result() if self.usage is not None else None
         routed.finish(usage.completion_tokens if usage is not None else None)
         if self.response_body_mode == NO_BODY:
-            # The picker saw neither the response's first byte nor its usage, and maybe not
-            # its end (see the warning).
-            self._misconfigured(self.metrics.responses_unseen, "no-bodies", NO_BODIES_WARNING)
+            if self.response_started:
+                # Response headers, no body (lean): the trailers keep the stream to the
+                # response's end. Said once, as a fact.
+                if "lean" not in self.director.config_warnings:
+                    self.director.config_warnings.add("lean")
+                    log.info(LEAN_RESPONSES_INFO)
+            else:
+                # No response message: the stream ended when the request was routed.
+                self._misconfigured(self.metrics.responses_unseen, "no-bodies", NO_BODIES_WARNING)
         metrics = self.metrics
         metrics.request_seconds.observe(time.perf_counter() - self.started_s)
         if usage is not None:

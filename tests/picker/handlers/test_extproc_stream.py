@@ -10,6 +10,7 @@ from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_picker.endpoint import EndpointId
 from kv_picker.handlers.extproc import RequestStream
 from kv_picker.wire import BODY_CHUNK_LIMIT_BYTES, DROPPED_REASON_HEADER
 from tests.fakes import make_director, make_store
@@ -499,6 +500,34 @@ def test_streams_that_carry_no_response_are_counted_and_warned_of_once(
         run(stream, headers_message(), body_message(BODY), *messages)
         stream.close()
     assert unseen() == 2
+
+
+def test_streams_with_response_headers_and_no_body_are_not_a_misconfiguration(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """lean: no response body, but the response's headers, and its end (the stream lasts to it
+    with response trailers SEND); the prefill waits for the endpoint's first-token count
+    instead of a first byte."""
+    caplog.set_level("INFO", logger="kv_picker.handlers.extproc")
+    director = make_director(store=make_store(1))
+    director.store.update_metrics(EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=7.0)
+    streams = []
+    for _ in range(2):
+        stream = RequestStream(director)
+        message = headers_message()
+        message.protocol_config.response_body_mode = Mode.NONE
+        run(stream, message, body_message(BODY))
+        assert stream.routed is not None and stream.routed.prefilling
+        streams.append(stream)
+    director.store.update_metrics(EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=8.0)
+    assert [s.routed.prefilling for s in streams if s.routed] == [False, True]
+    for stream in streams:
+        run(stream, pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+        stream.close()  # Envoy sends no trailers when the upstream has none: the stream ends
+    assert director.store.in_flight[0] == 0 and director.store.prefill_requests[0] == 0
+    assert director.metrics.registry.get_sample_value("kv_picker_responses_unseen_total") == 0
+    messages = [r for r in caplog.records if "response_body_mode NONE" in r.getMessage()]
+    assert [r.levelname for r in messages] == ["INFO"]
 
 
 def test_an_observability_mode_stream_is_ignored_not_routed(
