@@ -148,9 +148,9 @@ def envoy_bootstrap(
     would otherwise take route 1 to an address of the client's choosing.
 
     ``responses``: ``full`` (headers, every body chunk and trailers go to the picker: the GIE's
-    configuration) or ``lean`` (response headers ``SKIP``, bodies ``NONE``, trailers ``SEND``:
-    the stream lasts to the response's end, no chunk passes through the picker, which learns
-    of prefills' ends from the endpoints' scraped first-token counts; see the README's Envoy
+    configuration) or ``lean`` (response bodies ``NONE``, headers and trailers ``SEND``: the
+    stream lasts to the response's end, no chunk passes through the picker, which learns of
+    prefills' ends from the endpoints' scraped first-token counts; see the README's Envoy
     section).
 
     ``picker_worker_ports``: the ports of ``kv-picker serve --workers N --worker-ports ...``,
@@ -186,9 +186,7 @@ def envoy_bootstrap(
     if responses == "lean":
         # Asking for the response's trailers keeps the stream open to its end (Envoy sends
         # none when the upstream has none): the picker sees the end and no chunk.
-        processing_mode.update(
-            response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SEND"
-        )
+        processing_mode.update(response_body_mode="NONE", response_trailer_mode="SEND")
 
     def socket_address(port: int) -> dict[str, Any]:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}

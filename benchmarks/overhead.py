@@ -22,9 +22,10 @@ processing mode gets its own Envoy pair (floor and picker on the same configurat
 - ``buffered``: request body ``BUFFERED``, responses not sent;
 - ``gie``: the GIE reference configuration: full-duplex request and response bodies, response
   headers and trailers processed too (what kv-picker needs to see first bytes and usage);
-- ``lean``: request body ``FULL_DUPLEX_STREAMED``, response trailers only: the stream lasts to
-  the response's end (Envoy ends it then even when the upstream sends no trailers), so the
-  picker sees the end, but no response chunk, hence neither the first byte nor the usage.
+- ``lean``: request body ``FULL_DUPLEX_STREAMED``, response headers and trailers but no response
+  body: the stream lasts to the response's end (Envoy ends it then even when the upstream sends
+  no trailers), so the picker sees the response start and end, but no chunk, hence neither the
+  first byte (it reads prefills' ends from the endpoints' first-token counts) nor the usage.
 
 Rounds alternate between the paths so drift on a shared machine hits all alike. Reported per
 mode and connection count: p50/p99 and requests per second per path, the added p50 over direct
