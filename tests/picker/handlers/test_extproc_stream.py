@@ -510,7 +510,9 @@ def test_streams_with_response_headers_and_no_body_are_not_a_misconfiguration(
     instead of a first byte."""
     caplog.set_level("INFO", logger="kv_picker.handlers.extproc")
     director = make_director(store=make_store(1))
-    director.store.update_metrics(EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=7.0)
+    director.store.update_metrics(
+        EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=7.0
+    )
     streams = []
     for _ in range(2):
         stream = RequestStream(director)
@@ -519,7 +521,9 @@ def test_streams_with_response_headers_and_no_body_are_not_a_misconfiguration(
         run(stream, message, body_message(BODY))
         assert stream.routed is not None and stream.routed.prefilling
         streams.append(stream)
-    director.store.update_metrics(EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=8.0)
+    director.store.update_metrics(
+        EndpointId(0), waiting=0.0, running=0.0, kv_usage=0.0, first_tokens=8.0
+    )
     assert [s.routed.prefilling for s in streams if s.routed] == [False, True]
     for stream in streams:
         run(stream, pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
