@@ -22,6 +22,7 @@ HTTP responses, and only it knows Envoy.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Awaitable, Mapping
@@ -44,6 +45,13 @@ from kv_picker.tracing import RequestTrace, RequestTracer
 from kv_picker.wire import SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
+
+# The picker's share of an endpoint's first tokens is measured over about this long.
+FIRST_TOKEN_SHARE_TIME_CONSTANT_S = 30.0
+# Below this many first tokens (decayed) counted there, the share is taken as whole.
+FIRST_TOKEN_SHARE_MIN_COUNT = 8.0
+# A blind request's prefill ends once its share of first tokens adds up to this much of one.
+FIRST_TOKEN_TAKEN = 0.9
 
 ROUTED = "routed"
 DISAGGREGATED = "disaggregated"
@@ -201,11 +209,14 @@ class Director:
         # With serve --workers: the other workers learn this one's picks (kv_picker.peers).
         self.peers: PeerSync | None = None
         # Requests whose first byte the gateway does not show, per endpoint computing their
-        # prompt, oldest first; the prefill ends they learned of otherwise since that endpoint's
-        # last scrape; and the fraction of a first token not yet given to one of them.
+        # prompt, oldest first; the prefill ends the picker learned of otherwise since that
+        # endpoint's last scrape; the fraction of a first token not yet given to a blind
+        # request; and (own, all, as of, endpoint): the endpoint's first tokens and the ones
+        # that were this picker's, decayed, whose ratio is its share of them.
         self._blind: dict[int, deque[RoutedRequest]] = {}
         self._settled: dict[int, int] = {}
         self._carry: dict[int, float] = {}
+        self._share: dict[int, tuple[float, float, float, Endpoint | None]] = {}
         self._first_tokens_subscription = store.on_first_tokens(self._first_tokens)
 
     def swap(self, config: PickerConfig, scheduler: Scheduler) -> None:
@@ -471,8 +482,7 @@ class Director:
     def _settled_one(self, target: Endpoint) -> None:
         """A prefill at ``target`` ended, and the picker learned it otherwise than from the
         first-token count: the count's next growth includes it."""
-        if target.id in self._blind:
-            self._settled[target.id] = self._settled.get(target.id, 0) + 1
+        self._settled[target.id] = self._settled.get(target.id, 0) + 1
 
     def _first_tokens(self, endpoint_id: int, count: float) -> None:
         """A scrape of ``endpoint_id`` says it gave ``count`` first tokens since the last one.
@@ -480,34 +490,48 @@ class Director:
         The engine serves its queue first come, first served, so those first tokens went to
         the oldest requests there whose prefill had not ended: the prefills of that many of
         the blind requests end, oldest first, less the ones the picker learned of otherwise
-        (first bytes it saw, blind requests that finished). With ``serve --workers`` the
-        other workers' requests are queued there too, and this worker takes its share of the
-        count: its blind requests over every worker's queued prefills there.
+        (first bytes it saw, blind requests that finished). When other pickers send there too
+        (other replicas, or the other workers of ``serve --workers``, or clients around the
+        gateway), only this picker's share of the count is its own: the share of the
+        endpoint's recent first tokens that were its requests' (every request it sent there is
+        one of them once its prefill ended, whichever way the picker learned it), and with
+        workers at most its blind requests over every worker's queued prefills there.
         """
-        queue = self._blind.get(endpoint_id)
         settled = self._settled.pop(endpoint_id, 0)
+        now = self.store.now()
+        endpoint = self.store.get(EndpointId(endpoint_id))
+        history = self._share.get(endpoint_id)
+        if history is None or history[3] is not endpoint:  # new here, or a new endpoint
+            own = total = 0.0
+        else:
+            keep = math.exp(-max(0.0, now - history[2]) / FIRST_TOKEN_SHARE_TIME_CONSTANT_S)
+            own, total = history[0] * keep, history[1] * keep
+        ended = settled
+        queue = self._blind.get(endpoint_id)
         while queue and queue[0]._prefill is None:
             queue.popleft()
-        if not queue:
+        if queue:
+            share = min(1.0, own / total) if total >= FIRST_TOKEN_SHARE_MIN_COUNT else 1.0
+            if self.peers is not None:
+                queued = self.store.prefill_requests[endpoint_id]
+                share = min(share, len(queue) / max(queued, len(queue)))
+            carry = self._carry.get(endpoint_id, 0.0) + count * share - settled
+            while carry > FIRST_TOKEN_TAKEN and queue:
+                handle = queue.popleft()
+                prefill = handle._prefill
+                if prefill is None or prefill[0] is not endpoint:
+                    continue  # ended meanwhile (counted in settled), or sent to a removed one
+                carry = max(0.0, carry - 1.0)  # nine tenths of a first token make one
+                ended += 1
+                handle._answered = True
+                handle._end_prefill()
+            # More first bytes seen than counted: the count has yet to catch up (a scrape read
+            # before they were sent); never owed more than the requests still waiting.
+            self._carry[endpoint_id] = max(carry, -float(len(queue))) if queue else 0.0
+        else:
             self._blind.pop(endpoint_id, None)
             self._carry.pop(endpoint_id, None)
-            return
-        if self.peers is not None:
-            queued = self.store.prefill_requests[endpoint_id]
-            count *= len(queue) / max(queued, len(queue))
-        carry = self._carry.get(endpoint_id, 0.0) + count - settled
-        endpoint = self.store.get(EndpointId(endpoint_id))
-        while carry >= 1.0 and queue:
-            handle = queue.popleft()
-            prefill = handle._prefill
-            if prefill is None or prefill[0] is not endpoint:
-                continue  # ended meanwhile (counted in settled), or sent to a removed endpoint
-            carry -= 1.0
-            handle._answered = True
-            handle._end_prefill()
-        # More first bytes seen than counted: the count has yet to catch up (a scrape read
-        # before they were sent); never owed more than the requests still waiting.
-        self._carry[endpoint_id] = max(carry, -float(len(queue))) if queue else 0.0
+        self._share[endpoint_id] = (own + ended, total + count, now, endpoint)
 
     def _log_finished(self, logged: LoggedRequest, output_tokens: int | None) -> None:
         if self.request_log is not None:

@@ -113,6 +113,37 @@ def test_a_request_sent_to_a_replaced_server_is_not_ended_by_its_successors_coun
     assert director.store.prefill_requests[0] == 0
 
 
+def test_first_tokens_of_other_pickers_requests_are_not_taken_for_its_own() -> None:
+    """Another replica (or clients around the gateway) sends the endpoint as many requests:
+    half its first tokens are this picker's, and a blind request waits for its half."""
+    director = _director()
+    count = 100.0
+    for _ in range(10):  # a request of ours and one of the other's, answered between scrapes
+        ours = _route(director)
+        count += 2
+        _scrape(director, count)
+        assert _prefilling(ours) == [False]
+    late = _route(director)
+    _scrape(director, count + 1)  # the other's request, queued ahead of ours
+    assert _prefilling(late) == [True]
+    _scrape(director, count + 2)
+    assert _prefilling(late) == [False]
+
+
+def test_the_share_is_learned_again_for_a_new_endpoint() -> None:
+    director = _director()
+    count = 100.0
+    for _ in range(10):  # half the first tokens there are this picker's
+        _route(director)
+        count += 2
+        _scrape(director, count)
+    director.store.set_endpoints([EndpointSpec("10.0.0.1:8000", instance="pod-2")])
+    _scrape(director, 0.0)
+    alone = _route(director)
+    _scrape(director, 1.0)  # a new server: nothing says that others send there
+    assert _prefilling(alone) == [False]
+
+
 class _Peers:
     """Stands in for kv_picker.peers.PeerSync: records the prefill ends this worker sends."""
 
@@ -144,3 +175,23 @@ def test_with_other_workers_a_worker_takes_its_share_of_the_count() -> None:
     assert _prefilling(b) == [True]
     _scrape(director, 106.0)
     assert _prefilling(b) == [False]
+
+
+def test_a_share_just_under_whole_does_not_fall_behind() -> None:
+    """A picker that sends most of an endpoint's requests ends one prefill per first token
+    of its own, without the shortfall of each piling up."""
+    director = _director()
+    count = 100.0
+    for _ in range(20):  # nineteen of every twenty first tokens are this picker's
+        for _ in range(19):
+            _route(director)
+        count += 20
+        _scrape(director, count)
+    assert director.store.prefill_requests[0] == 0
+    oldest = _route(director)
+    for _ in range(10):  # one more always queued behind: the fraction carried stays
+        newest = _route(director)
+        count += 1
+        _scrape(director, count)
+        assert _prefilling(oldest, newest) == [False, True]
+        oldest = newest
