@@ -284,7 +284,7 @@ class EndpointStore:
         ``first_tokens``: the endpoint's count of requests given a first token (None: it
         exports none); its growth is passed to the :meth:`on_first_tokens` callbacks.
         """
-        if first_tokens is None:
+        if first_tokens is None or not math.isfinite(first_tokens):  # NaN or Inf: no count
             self.first_tokens[endpoint_id] = -1.0
         else:
             previous = self.first_tokens[endpoint_id]

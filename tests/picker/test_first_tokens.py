@@ -4,7 +4,10 @@ the prefill ends the picker learned of otherwise."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import pytest
 
 from kv_picker.director import Director, RoutedRequest
 from kv_picker.endpoint import EndpointId, EndpointSpec
@@ -82,6 +85,20 @@ def test_without_a_count_the_prefill_ends_with_the_request() -> None:
     assert _prefilling(a) == [True]
     a.finish()
     assert director.store.prefill_requests[0] == 0
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf])
+def test_a_count_that_is_not_a_number_is_no_count(garbage: float) -> None:
+    director = _director()
+    a = _route(director)
+    _scrape(director, garbage)
+    assert _prefilling(a) == [True]
+    assert director.store.first_tokens[0] == -1.0
+    b = _route(director)  # no count to wait for: its prefill ends with it
+    _scrape(director, 5.0)  # a count again, from here
+    c = _route(director)
+    _scrape(director, 6.0)
+    assert _prefilling(a, b, c) == [False, True, True]  # the oldest first; b waits its end
 
 
 def test_a_count_that_went_down_is_a_restart_not_first_tokens() -> None:
