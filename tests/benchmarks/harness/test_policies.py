@@ -31,6 +31,7 @@ from kv_picker_bench.harness.policies import (
     resolve_policy,
 )
 from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
+from kv_picker_bench.sim.timing import TIMING_PROFILES
 
 
 def store_with(count: int) -> EndpointStore:
@@ -216,3 +217,31 @@ def test_the_prompt_scale_candidate_is_the_built_in_default() -> None:
     assert replace(after, ownDecode=False) == before
     _, before_plugins = _parsed(f"b={PROFILES / 'default-before-recent-work.yaml'}")
     assert [p for p in recent_plugins if p[1] != "recent-work-scorer"] == before_plugins
+
+
+def test_the_calibrated_70b_profile_is_the_default_with_the_70b_timing_constants() -> None:
+    # results/candidates/calibrated-70b/ measures what the default's 8B constants cost on the
+    # 70B cells: the file must be the default but for the latency estimate's four constants,
+    # and those must be the 70B timing profile's (to the rounding written in the file).
+    default_profiles, default_plugins = _parsed("kv-picker")
+    profiles, plugins = _parsed(f"c={PROFILES / 'calibrated-70b.yaml'}")
+    assert profiles == default_profiles
+    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
+    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
+    (_, _, default_params), (_, _, params) = changed[0]
+    constants = (
+        "prefillTokensPerSecond",
+        "attentionCrossoverTokens",
+        "stepSeconds",
+        "kvReadTokensPerSecond",
+    )
+    assert replace(params, **{k: getattr(default_params, k) for k in constants}) == default_params
+    model = TIMING_PROFILES["llama-3.1-70b-h100-tp4"]
+    expected = {
+        "prefillTokensPerSecond": 1 / model.prefill_s_per_token,
+        "attentionCrossoverTokens": model.prefill_s_per_token / model.attention_s_per_token_pair,
+        "stepSeconds": model.step_base_s,
+        "kvReadTokensPerSecond": 1 / model.kv_read_s_per_token,
+    }
+    for name, value in expected.items():
+        assert getattr(params, name) == pytest.approx(value, rel=0.005), name
