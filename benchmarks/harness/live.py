@@ -39,7 +39,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -307,13 +307,31 @@ def _replay_target(
     return run
 
 
+LIVE_MIN_SCRAPE_S = 0.05
+"""The shortest scrape period a live run gives the picker, in wall seconds: scraping N
+endpoints over HTTP on the shared host stays cheap."""
+
+
+def live_scrape_wall_s(scrape_interval_s: float, time_scale: float) -> float:
+    """The picker's scrape period in a live run, in wall seconds: the model-time period scaled,
+    but not below :data:`LIVE_MIN_SCRAPE_S`."""
+    return max(LIVE_MIN_SCRAPE_S, scrape_interval_s * time_scale)
+
+
+def live_scrape_model_s(scrape_interval_s: float, time_scale: float) -> float:
+    """The same period in model time: what an offline replay needs as ``--scrape-interval`` to
+    see metrics as stale as the live picker did (at time scale 0.25, 50 ms of wall time is
+    200 ms of model time, four times the default offline period)."""
+    return live_scrape_wall_s(scrape_interval_s, time_scale) / time_scale
+
+
 def live_picker_config(
     policy: Policy, scrape_interval_s: float, time_scale: float
 ) -> dict[str, Any]:
     """The policy's config for the service, validated against the service's own registry.
 
-    The scrape interval is scaled to wall time (at least 50 ms, so that scraping N endpoints
-    over HTTP stays cheap) unless the policy sets its own ``metrics`` section.
+    The scrape interval is scaled to wall time (:func:`live_scrape_wall_s`) unless the policy
+    sets its own ``metrics`` section.
     """
     document = dict(policy.document)
     try:
@@ -323,7 +341,7 @@ def live_picker_config(
             f"policy {policy.name}: live mode runs the service's plugins only ({exc})"
         ) from None
     if "metrics" not in document:
-        wall_s = max(0.05, scrape_interval_s * time_scale)
+        wall_s = live_scrape_wall_s(scrape_interval_s, time_scale)
         document["metrics"] = {"scrapeInterval": f"{wall_s * 1000:.0f}ms"}
     return document
 
@@ -486,6 +504,19 @@ def run_live(argv: Sequence[str], command: str) -> int:
     floors = ttft_floors(trace, config, caches)
     rows = [run.metrics for run in runs]
     summary = trace.summary()
+    # The picker scraped on a wall-clock period: report it in model time, as every other figure.
+    scrape_wall_s = live_scrape_wall_s(config.scrape_interval_s, args.time_scale)
+    model_scrape_s = live_scrape_model_s(config.scrape_interval_s, args.time_scale)
+    scraped = replace(config, scrape_interval_s=model_scrape_s)
+    scrape_note = []
+    if policies and not math.isclose(model_scrape_s, config.scrape_interval_s):
+        scrape_note = [
+            f"The picker scraped every {scrape_wall_s * 1000:g} ms of wall time, "
+            f"{model_scrape_s * 1000:g} ms of model time (policies that set "
+            "their own `metrics` section excepted): an offline replay of the same requests "
+            f"sees metrics as stale with `--scrape-interval {model_scrape_s * 1000:g}ms`.",
+            "",
+        ]
     lines = [
         f"# {args.title or f'{command.capitalize()} replay: ' + trace.name}",
         "",
@@ -496,8 +527,9 @@ def run_live(argv: Sequence[str], command: str) -> int:
         f"{args.time_scale:g}; {'keep-alive' if args.keep_alive else 'fresh'} client "
         "connections.",
         "",
-        f"Cluster: {describe_cluster(config)} (simulated endpoints over HTTP on 127.0.0.1).",
+        f"Cluster: {describe_cluster(scraped)} (simulated endpoints over HTTP on 127.0.0.1).",
         "",
+        *scrape_note,
         markdown_table(rows, bounds, floors.stats()),
         "",
         *live_cpu_table(rows),
@@ -512,7 +544,11 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "mode": command,
             "time_scale": args.time_scale,
             "trace": summary,
-            "cluster": cluster_json(config),
+            "cluster": cluster_json(scraped),
+            "picker_scrape_interval_s": {
+                "wall": scrape_wall_s,
+                "model": model_scrape_s,
+            },
             "bounds": bounds,
             "floors": floors.stats(),
             "wall_s": wall_s,

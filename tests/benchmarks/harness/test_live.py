@@ -14,9 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from kv_picker_bench.harness.live import (
+    live_picker_config,
+    live_scrape_model_s,
+    live_scrape_wall_s,
+    router_binary,
+    trace_requests,
+)
 from kv_picker_bench.harness.live import main as live_main
-from kv_picker_bench.harness.live import router_binary, trace_requests
 from kv_picker_bench.harness.peers import main as peers_main
+from kv_picker_bench.harness.policies import resolve_policy
 from kv_picker_bench.harness.traces import CacheNamespaces, Trace, TraceRequest, prompt_text
 from kv_picker_bench.localstack import envoy_binary
 
@@ -65,6 +72,10 @@ def test_live_replay_through_envoy_and_kv_picker(tmp_path: Path) -> None:
     assert "| policy | router | simulated endpoints | client | wall s |" in report
     assert " (kv-picker " in report and " + envoy " in report
     assert report.count("\n| random | ") == 2  # its latency row and its CPU row
+    # At the default time scale (0.05) the picker's 50 ms of wall time between scrapes are a
+    # second of model time, and the report says so, with the offline flag that matches it.
+    assert document["picker_scrape_interval_s"] == {"wall": 0.05, "model": pytest.approx(1.0)}
+    assert "scrape every 1000 ms" in report and "`--scrape-interval 1000ms`" in report
     assert _children() <= before  # every process stopped
 
 
@@ -121,3 +132,15 @@ def test_trace_requests_name_the_adapter_and_send_the_salt() -> None:
     assert [b.get("cache_salt") for b in bodies] == [None, None, "tenant-a", "tenant-b"]
     assert len({b["prompt"] for b in bodies}) == 1  # the same text: only the names differ
     assert bodies[0]["prompt"] == prompt_text(requests[0], 16)
+
+
+def test_the_live_scrape_period_is_reported_in_model_time() -> None:
+    # Below the 50 ms floor the wall period stays 50 ms, so in model time it grows as the
+    # time scale shrinks; above it, the model-time period is the one asked for.
+    assert live_scrape_wall_s(0.05, 0.25) == 0.05
+    assert live_scrape_model_s(0.05, 0.25) == pytest.approx(0.2)
+    assert live_scrape_model_s(0.05, 0.5) == pytest.approx(0.1)
+    assert live_scrape_wall_s(0.4, 0.5) == pytest.approx(0.2)
+    assert live_scrape_model_s(0.4, 0.5) == pytest.approx(0.4)
+    document = live_picker_config(resolve_policy("kv-picker"), 0.05, 0.25)
+    assert document["metrics"] == {"scrapeInterval": "50ms"}
