@@ -269,6 +269,13 @@ def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             default=1,
             help="kv-picker serve --workers N (default 1: one process)",
         )
+        group.add_argument(
+            "--no-offline",
+            dest="offline",
+            action="store_false",
+            help="skip the offline counterpart (by default each --policy is also replayed "
+            "offline, scraped as often in model time as live, and the report compares the two)",
+        )
     group.add_argument(
         "--peer",
         action="append",

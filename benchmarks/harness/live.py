@@ -62,7 +62,7 @@ from kv_picker_bench.harness.args import (
     trace_from_args,
 )
 from kv_picker_bench.harness.floors import ideal_caches, ttft_floors
-from kv_picker_bench.harness.policies import Policy
+from kv_picker_bench.harness.policies import Policy, harness_registry
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
@@ -71,8 +71,10 @@ from kv_picker_bench.harness.report import (
     markdown_table,
     plot_bars,
     plot_cdfs,
+    summarize,
     write_json,
 )
+from kv_picker_bench.harness.simulator import ClusterConfig, run_policy
 from kv_picker_bench.harness.traces import Trace, prompt_text
 from kv_picker_bench.localstack import (
     LocalStack,
@@ -346,6 +348,140 @@ def live_picker_config(
     return document
 
 
+# ----------------------------------------------------------------- offline counterpart
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineCounterpart:
+    """The live run's kv-picker policies replayed offline, and how the two agree.
+
+    Attributes:
+        scrape_interval_s: Each policy's scrape period offline, in model seconds: the live
+            picker's wall-clock period over the time scale.
+        rows: Each policy's offline figures, in the live run's order.
+        hit_ratio_difference: Each policy's offline hit ratio relative to its live one, minus 1.
+        order: For ``ttft_mean`` and ``ttft_p90``, the policies from fastest to slowest, live
+            and offline.
+    """
+
+    scrape_interval_s: dict[str, float]
+    rows: list[PolicyMetrics]
+    hit_ratio_difference: dict[str, float]
+    order: dict[str, dict[str, list[str]]]
+
+    @property
+    def same_order(self) -> dict[str, bool]:
+        return {key: o["live"] == o["offline"] for key, o in self.order.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scrape_interval_s": self.scrape_interval_s,
+            "policies": {m.policy: m.to_json() for m in self.rows},
+            "hit_ratio_difference": self.hit_ratio_difference,
+            "order": self.order,
+            "same_order": self.same_order,
+        }
+
+
+def _ranked(rows: Sequence[PolicyMetrics], stat: str) -> list[str]:
+    return [m.policy for m in sorted(rows, key=lambda m: (m.ttft_s[stat], m.policy))]
+
+
+def offline_counterpart(
+    trace: Trace,
+    config: ClusterConfig,
+    policies: Sequence[Policy],
+    documents: Sequence[dict[str, Any]],
+    live_rows: Sequence[PolicyMetrics],
+    time_scale: float,
+    seed: int,
+) -> OfflineCounterpart:
+    """Replay the live run's requests offline, each policy scraping as its live picker did.
+
+    The simulator runs the same EndpointPickerConfig through the same ``Director``; what differs
+    is the wire (Envoy, HTTP, scrapes over TCP) and time (the live endpoints run in scaled wall
+    time on a shared host). The scrape period is the one thing the harness chose differently:
+    live it is wall-clock, at least 50 ms, so at time scale 0.25 the picker's metrics are 200 ms
+    old in model time, and a replay at the default 50 ms would see fresher ones.
+    """
+    registry = harness_registry()
+    by_name = {m.policy: m for m in live_rows}
+    rows: list[PolicyMetrics] = []
+    intervals: dict[str, float] = {}
+    for policy, document in zip(policies, documents, strict=True):
+        live_config = Policy(policy.name, document, policy.source).config(registry)
+        interval = live_config.metrics.scrape_interval_s / time_scale
+        offline = replace(config, scrape_interval_s=interval)
+        result = run_policy(
+            trace,
+            offline,
+            policy.config(registry),
+            registry,
+            policy.name,
+            seed=seed,
+            needs_prompt=policy.needs_prompt,
+        )
+        rows.append(summarize(result, offline))
+        intervals[policy.name] = interval
+    live = [by_name[m.policy] for m in rows]
+    difference = {
+        m.policy: (m.hit_ratio / by_name[m.policy].hit_ratio - 1)
+        if by_name[m.policy].hit_ratio > 0
+        else math.nan
+        for m in rows
+    }
+    order = {
+        f"ttft_{stat}": {"live": _ranked(live, stat), "offline": _ranked(rows, stat)}
+        for stat in ("mean", "p90")
+    }
+    return OfflineCounterpart(intervals, rows, difference, order)
+
+
+def offline_section(
+    counterpart: OfflineCounterpart, live_rows: Sequence[PolicyMetrics]
+) -> list[str]:
+    """The report's comparison of the live run with its offline counterpart (Markdown lines)."""
+    by_name = {m.policy: m for m in live_rows}
+    periods = sorted({f"{s * 1000:g} ms" for s in counterpart.scrape_interval_s.values()})
+    lines = [
+        "## Live against offline",
+        "",
+        "The same requests through the offline simulator (the same configs through the same "
+        f"`Director`), scraped every {' or '.join(periods)} of model time as the live picker "
+        "was. Latencies differ in scale (live ones include the gateway's, the client's and the "
+        "endpoints' time on this host, divided by the time scale): compare hit ratios, and the "
+        "order of the policies.",
+        "",
+        "| policy | token hit ratio, live / offline (difference) | TTFT mean s, live / offline "
+        "| TTFT p90 s, live / offline |",
+        "|---|---|---|---|",
+    ]
+    for m in counterpart.rows:
+        live = by_name[m.policy]
+        difference = counterpart.hit_ratio_difference[m.policy]
+        lines.append(
+            f"| {m.policy} | {live.hit_ratio:.4f} / {m.hit_ratio:.4f} ({difference:+.1%}) "
+            f"| {live.ttft_s['mean']:.3f} / {m.ttft_s['mean']:.3f} "
+            f"| {live.ttft_s['p90']:.3f} / {m.ttft_s['p90']:.3f} |"
+        )
+    lines.append("")
+    finite = [abs(d) for d in counterpart.hit_ratio_difference.values() if math.isfinite(d)]
+    if finite:
+        lines.append(f"Hit ratios: the largest difference is {max(finite):.1%}.")
+    if len(counterpart.rows) > 1:
+        for key, label in (("ttft_mean", "TTFT mean"), ("ttft_p90", "TTFT p90")):
+            order = counterpart.order[key]
+            live_text = " < ".join(order["live"])
+            if order["live"] == order["offline"]:
+                lines.append(f"Order by {label}: {live_text}, live and offline.")
+            else:
+                lines.append(
+                    f"Order by {label}: live {live_text}; offline {' < '.join(order['offline'])}."
+                )
+    lines.append("")
+    return lines
+
+
 def start_peer(
     router: str, policy: str, binary: str, urls: Sequence[str], workdir: Path
 ) -> tuple[ManagedProcess, str]:
@@ -498,11 +634,16 @@ def run_live(argv: Sequence[str], command: str) -> int:
                 process.stop()
     finally:
         stack.close()
+    rows = [run.metrics for run in runs]
+    counterpart = None
+    if policies and getattr(args, "offline", False):
+        counterpart = offline_counterpart(
+            trace, config, policies, documents, rows, args.time_scale, args.seed
+        )
     wall_s = time.perf_counter() - started
     caches = ideal_caches(trace, config)
     bounds = caches.hit_ratios()
     floors = ttft_floors(trace, config, caches)
-    rows = [run.metrics for run in runs]
     summary = trace.summary()
     # The picker scraped on a wall-clock period: report it in model time, as every other figure.
     scrape_wall_s = live_scrape_wall_s(config.scrape_interval_s, args.time_scale)
@@ -533,6 +674,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
         markdown_table(rows, bounds, floors.stats()),
         "",
         *live_cpu_table(rows),
+        *(offline_section(counterpart, rows) if counterpart is not None else []),
         f"Wall time of the whole run: {wall_s:.1f} s.",
     ]
     report = "\n".join(lines) + "\n"
@@ -553,6 +695,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "floors": floors.stats(),
             "wall_s": wall_s,
             "policies": {m.policy: m.to_json() for m in rows},
+            "offline": counterpart.to_json() if counterpart is not None else None,
         },
     )
     if not args.no_plots and runs:

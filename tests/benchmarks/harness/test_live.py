@@ -18,13 +18,22 @@ from kv_picker_bench.harness.live import (
     live_picker_config,
     live_scrape_model_s,
     live_scrape_wall_s,
+    offline_counterpart,
     router_binary,
     trace_requests,
 )
 from kv_picker_bench.harness.live import main as live_main
 from kv_picker_bench.harness.peers import main as peers_main
-from kv_picker_bench.harness.policies import resolve_policy
-from kv_picker_bench.harness.traces import CacheNamespaces, Trace, TraceRequest, prompt_text
+from kv_picker_bench.harness.policies import harness_registry, resolve_policy
+from kv_picker_bench.harness.report import summarize
+from kv_picker_bench.harness.simulator import run_policy, uniform_cluster
+from kv_picker_bench.harness.traces import (
+    CacheNamespaces,
+    Trace,
+    TraceRequest,
+    parse_trace_spec,
+    prompt_text,
+)
 from kv_picker_bench.localstack import envoy_binary
 
 TINY = "shared-prefix:groups=3,users=2,context=300,question=40,output=12,requests=24,rate=20"
@@ -71,11 +80,26 @@ def test_live_replay_through_envoy_and_kv_picker(tmp_path: Path) -> None:
     assert report.count("| kv-picker | 24 |") == 1
     assert "| policy | router | simulated endpoints | client | wall s |" in report
     assert " (kv-picker " in report and " + envoy " in report
-    assert report.count("\n| random | ") == 2  # its latency row and its CPU row
+    assert report.count("\n| random | ") == 3  # its latency, CPU and live-against-offline rows
     # At the default time scale (0.05) the picker's 50 ms of wall time between scrapes are a
     # second of model time, and the report says so, with the offline flag that matches it.
     assert document["picker_scrape_interval_s"] == {"wall": 0.05, "model": pytest.approx(1.0)}
     assert "scrape every 1000 ms" in report and "`--scrape-interval 1000ms`" in report
+    # The offline counterpart: both policies replayed offline at that period, compared.
+    offline = document["offline"]
+    assert offline["scrape_interval_s"] == {"kv-picker": 1.0, "random": 1.0}
+    assert set(offline["policies"]) == {"kv-picker", "random"}
+    for name in ("kv-picker", "random"):
+        assert offline["policies"][name]["ok"] == 24
+        live_ratio = document["policies"][name]["hit_ratio"]
+        offline_ratio = offline["policies"][name]["hit_ratio"]
+        # (the JSON keeps six decimals)
+        assert offline["hit_ratio_difference"][name] == pytest.approx(
+            offline_ratio / live_ratio - 1, abs=1e-5
+        )
+    assert sorted(offline["order"]["ttft_mean"]["live"]) == ["kv-picker", "random"]
+    assert "## Live against offline" in report
+    assert "Hit ratios: the largest difference is " in report
     assert _children() <= before  # every process stopped
 
 
@@ -144,3 +168,34 @@ def test_the_live_scrape_period_is_reported_in_model_time() -> None:
     assert live_scrape_model_s(0.4, 0.5) == pytest.approx(0.4)
     document = live_picker_config(resolve_policy("kv-picker"), 0.05, 0.25)
     assert document["metrics"] == {"scrapeInterval": "50ms"}
+
+
+def test_the_offline_counterpart_scrapes_as_each_live_picker_did() -> None:
+    trace = parse_trace_spec(TINY)
+    cluster = uniform_cluster(2, num_gpu_blocks=400)
+    policies = [resolve_policy("kv-picker"), resolve_policy("random")]
+    documents = [live_picker_config(p, cluster.scrape_interval_s, 0.25) for p in policies]
+    # A policy that sets its own period keeps it live: 100 ms of wall time, 400 of model time.
+    documents[1] = {**documents[1], "metrics": {"scrapeInterval": "100ms"}}
+    registry = harness_registry()
+    # Stand-ins for the live figures: the same policies offline at the default period, with
+    # the order of the two swapped by hand so that the comparison has something to find.
+    live = [
+        summarize(run_policy(trace, cluster, p.config(registry), registry, p.name, seed=0), cluster)
+        for p in policies
+    ]
+    live[0].ttft_s["mean"], live[1].ttft_s["mean"] = 1e9, 0.0
+    counterpart = offline_counterpart(trace, cluster, policies, documents, live, 0.25, 0)
+    assert counterpart.scrape_interval_s == {
+        "kv-picker": pytest.approx(0.2),
+        "random": pytest.approx(0.4),
+    }
+    assert [m.policy for m in counterpart.rows] == ["kv-picker", "random"]
+    for row, live_row in zip(counterpart.rows, live, strict=True):
+        assert row.ok == len(trace.requests)
+        assert counterpart.hit_ratio_difference[row.policy] == pytest.approx(
+            row.hit_ratio / live_row.hit_ratio - 1
+        )
+    assert counterpart.order["ttft_mean"]["live"] == ["random", "kv-picker"]
+    offline_order = counterpart.order["ttft_mean"]["offline"]
+    assert counterpart.same_order["ttft_mean"] == (offline_order == ["random", "kv-picker"])
