@@ -37,7 +37,11 @@ than that share of the busiest one's work score above 0, so the scorer seeds end
 idle and says nothing among a pool that is busy everywhere; ``decodeSpeedScaled`` (false):
 multiplies each score by the endpoint's decode speed over the fastest candidate's, so an idle
 slow endpoint (an L4 next to H100s) is seeded only in proportion to what it delivers: a
-session placed there keeps coming back, and decodes there at its speed.
+session placed there keeps coming back, and decodes there at its speed; ``matchScaled``
+(false): multiplies every score by the share of the prompt that no candidate holds (1 - the best
+candidate's cached tokens / the prompt's, from the prefix scorer, which must run first), so the
+scorer seeds with new contexts only, and a request whose context is cached somewhere is left to
+the prefix, latency and in-flight scorers.
 
 In the built-in default, at weight 0.5 with
 ``idleShare`` 0.25 next to the other scorers: chosen on the tuning families, it passed 122 of
@@ -56,6 +60,7 @@ from kv_picker.decode import NonNegative, Range
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
+from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class RecentWorkParams:
     fullScale: Annotated[float, NonNegative] = 0.0
     idleShare: Annotated[float, Range(gt=0, le=1)] = 1.0
     decodeSpeedScaled: bool = False
+    matchScaled: bool = False
 
 
 class RecentWorkScorer:
@@ -79,6 +85,7 @@ class RecentWorkScorer:
         self._scale = params.fullScale
         self._share = params.idleShare
         self._decode_scaled = params.decodeSpeedScaled
+        self._match_scaled = params.matchScaled
         self._speed: list[float] = []
         self._work: list[float] = []
 
@@ -106,3 +113,10 @@ class RecentWorkScorer:
             fastest = max(speed)
             for i, s in enumerate(speed):
                 out[i] *= s / fastest
+        if self._match_scaled:
+            prompt = prompt_tokens(request)
+            if prompt > 0.0:
+                held = max(cached_tokens(request, endpoint.id) for endpoint in candidates)
+                new = max(0.0, 1.0 - held / prompt)
+                for i in range(len(work)):
+                    out[i] *= new

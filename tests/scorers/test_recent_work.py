@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_picker.decode import decode
-from kv_picker.endpoint import EndpointSpec
+from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.errors import ConfigError
+from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch
 from kv_picker.scorers.recent_work import RecentWorkParams, RecentWorkScorer
 from kv_picker.state.endpoints import RECENT_WORK_TIME_CONSTANT_S
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
@@ -177,3 +178,37 @@ def test_decode_speed_scaling_seeds_a_slow_idle_endpoint_less() -> None:
 def test_decode_speed_scaled_takes_only_a_boolean(value: object) -> None:
     with pytest.raises(ConfigError, match=r"parameters\.decodeSpeedScaled: expected true/false"):
         decode(RecentWorkParams, {"decodeSpeedScaled": value}, "parameters")
+
+
+@pytest.mark.parametrize(
+    ("held_tokens", "factor"),
+    [(0, 1.0), (250, 0.75), (1000, 0.0)],
+    ids=["new context", "a quarter held", "all held"],
+)
+def test_match_scaled_seeds_with_the_share_of_the_prompt_no_candidate_holds(
+    held_tokens: int, factor: float
+) -> None:
+    store = make_store(3)
+    store.add_recent_prefill(2, 10_000.0, 0.0)
+    plain = RecentWorkScorer("w", RecentWorkParams(idleShare=0.5), make_context(store))
+    scaled = RecentWorkScorer(
+        "w", RecentWorkParams(idleShare=0.5, matchScaled=True), make_context(store)
+    )
+    request = make_request()
+    request.state[PROMPT_TOKENS] = 1000
+    # Endpoint 2 holds the prefix in every case but the first; the best holder counts.
+    matched = {EndpointId(0): 2, EndpointId(2): held_tokens // 10} if held_tokens else {}
+    request.state[PREFIX_MATCH] = PrefixMatch(10, 100, matched)
+    candidates = store.all()
+    out_plain, out_scaled = [0.0] * 3, [0.0] * 3
+    plain.score(request, candidates, out_plain)
+    scaled.score(request, candidates, out_scaled)
+    assert out_plain == pytest.approx([1.0, 1.0, 0.0])
+    assert out_scaled == pytest.approx([s * factor for s in out_plain])
+
+
+def test_match_scaled_without_a_prefix_match_is_the_plain_score() -> None:
+    store = make_store(2)
+    store.add_recent_prefill(1, 10_000.0, 0.0)
+    scaled = RecentWorkScorer("w", RecentWorkParams(matchScaled=True), make_context(store))
+    assert scores(scaled, store) == pytest.approx([1.0, 0.0])  # no prefix scorer ran
