@@ -1,5 +1,6 @@
-"""The README's plugin table against the plugins' Params: a parameter it names must exist (a
-config copied from it would be refused as an unknown key), and every parameter must be named."""
+"""The README against the code: the plugin table's parameters are the plugins' own (a config
+copied from it would be refused for an unknown key), every parameter is named, and every
+example config is accepted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
+from kv_picker.config import parse_config
 from kv_picker.plugins import builtin_registry
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -55,3 +58,28 @@ def test_the_parameters_named_are_the_plugins_own(types: list[str], row: str, ce
         assert named <= own, f"{type_name}: the README names {sorted(named - own)}"
         mentioned = set(re.findall(r"`([A-Za-z][A-Za-z0-9]*)[`:]", row))  # or `name: value`
         assert own <= mentioned, f"{type_name}: the README omits {sorted(own - mentioned)}"
+
+
+def _config_blocks() -> list[str]:
+    """The README's YAML blocks that are EndpointPickerConfig documents or sections of one (not
+    `kv-picker tune`'s search spaces)."""
+    text = README.read_text(encoding="utf-8")
+    return [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "dimensions:" not in b]
+
+
+CONFIG_BLOCKS = _config_blocks()
+
+
+@pytest.mark.parametrize(
+    "block", CONFIG_BLOCKS, ids=[f"block{i}" for i in range(len(CONFIG_BLOCKS))]
+)
+def test_every_config_in_the_readme_is_accepted(block: str) -> None:
+    # The one path a reader must supply (a tokenizer directory) points at the shipped one.
+    tokenizer = Path(__file__).resolve().parents[2] / "benchmarks" / "tokenizer"
+    document = yaml.safe_load(block.replace("/models/llama", str(tokenizer)))
+    assert isinstance(document, dict)
+    parse_config(document, builtin_registry(include_entry_points=False))
+
+
+def test_the_readme_has_its_config_examples() -> None:
+    assert len(CONFIG_BLOCKS) >= 5
