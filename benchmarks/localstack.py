@@ -734,6 +734,8 @@ class LocalStack:
             :func:`envoy_bootstrap`).
         workdir_prefix: name prefix of the temporary work directory.
         access_log: Envoy writes ``access_log_path`` (see :func:`envoy_bootstrap`).
+        responses: what Envoy shows the picker of each response, ``full`` or ``lean`` (see
+            :func:`envoy_bootstrap`).
     """
 
     def __init__(
@@ -755,7 +757,11 @@ class LocalStack:
         failure_mode: str = "FailClose",
         workdir_prefix: str = "kv-picker-stack-",
         access_log: bool = False,
+        responses: str = "full",
     ) -> None:
+        if responses not in RESPONSES:
+            raise ValueError(f"responses must be one of {RESPONSES}")
+        self.responses = responses
         self.discovery = discovery
         self.access_log = access_log
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
@@ -1002,6 +1008,7 @@ class LocalStack:
             pool_endpoints=self.sim_addresses,
             access_log_path=str(self.access_log_path) if self.access_log else None,
             picker_worker_ports=self.picker_worker_ports if self.picker_workers > 1 else (),
+            responses=self.responses,
         )
         self.envoy = self.launch_envoy("envoy", bootstrap, self.envoy_admin_port)
 

@@ -270,6 +270,14 @@ def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             help="kv-picker serve --workers N (default 1: one process)",
         )
         group.add_argument(
+            "--responses",
+            choices=("full", "lean"),
+            default="full",
+            help="what Envoy shows the picker of each response: full (every chunk: the GIE's "
+            "configuration) or lean (its headers and end only; a prefill ends when the "
+            "endpoint's scraped first-token count says so)",
+        )
+        group.add_argument(
             "--no-offline",
             dest="offline",
             action="store_false",

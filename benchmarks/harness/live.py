@@ -301,11 +301,15 @@ def _replay_target(
     lag = [max(0.0, s - a) for s, a in zip(sent_s, scheduled, strict=True)]
     run.metrics.extra["send_lag_p99_ms"] = 1000 * latency_stats(lag)["p99"]
     run.metrics.extra.update(used)
-    if base_url == stack.url and stack.picker_workers > 1:  # how the streams spread
+    if base_url == stack.url:
         for line in stack.picker_metrics_text().splitlines():
-            if line.startswith("kv_picker_worker_requests_total{"):
-                worker = line.split('"')[1]
+            if line.startswith("kv_picker_worker_requests_total{") and stack.picker_workers > 1:
+                worker = line.split('"')[1]  # how the streams spread
                 run.metrics.extra[f"worker_{worker}_requests"] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("kv_picker_time_to_first_byte_seconds_count"):
+                # The first bytes the picker saw: every request's with full responses, none
+                # with lean ones.
+                run.metrics.extra["picker_first_bytes"] = float(line.rsplit(" ", 1)[1])
     return run
 
 
@@ -395,6 +399,7 @@ def offline_counterpart(
     live_rows: Sequence[PolicyMetrics],
     time_scale: float,
     seed: int,
+    responses: str = "full",
 ) -> OfflineCounterpart:
     """Replay the live run's requests offline, each policy scraping as its live picker did.
 
@@ -411,7 +416,7 @@ def offline_counterpart(
     for policy, document in zip(policies, documents, strict=True):
         live_config = Policy(policy.name, document, policy.source).config(registry)
         interval = live_config.metrics.scrape_interval_s / time_scale
-        offline = replace(config, scrape_interval_s=interval)
+        offline = replace(config, scrape_interval_s=interval, first_byte_seen=responses == "full")
         result = run_policy(
             trace,
             offline,
@@ -604,6 +609,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
         model=config.model,
         time_scale=args.time_scale,
         sim_args=sim_args,
+        responses=getattr(args, "responses", "full"),
     )
     try:
         if documents:
@@ -638,7 +644,14 @@ def run_live(argv: Sequence[str], command: str) -> int:
     counterpart = None
     if policies and getattr(args, "offline", False):
         counterpart = offline_counterpart(
-            trace, config, policies, documents, rows, args.time_scale, args.seed
+            trace,
+            config,
+            policies,
+            documents,
+            rows,
+            args.time_scale,
+            args.seed,
+            getattr(args, "responses", "full"),
         )
     wall_s = time.perf_counter() - started
     caches = ideal_caches(trace, config)
@@ -666,7 +679,12 @@ def run_live(argv: Sequence[str], command: str) -> int:
         f"Trace: {summary['name']}, {summary['requests']:,} requests at "
         f"{summary['rate_per_s'] or 0:.2f} requests/s (model time); time scale "
         f"{args.time_scale:g}; {'keep-alive' if args.keep_alive else 'fresh'} client "
-        "connections.",
+        "connections"
+        + (
+            "; Envoy shows the picker each response's headers and end, no chunk (`lean`)."
+            if getattr(args, "responses", "full") == "lean"
+            else "."
+        ),
         "",
         f"Cluster: {describe_cluster(scraped)} (simulated endpoints over HTTP on 127.0.0.1).",
         "",
@@ -685,6 +703,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "command": text,
             "mode": command,
             "time_scale": args.time_scale,
+            "responses": getattr(args, "responses", "full"),
             "trace": summary,
             "cluster": cluster_json(scraped),
             "picker_scrape_interval_s": {

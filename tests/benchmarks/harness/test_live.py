@@ -74,6 +74,7 @@ def test_live_replay_through_envoy_and_kv_picker(tmp_path: Path) -> None:
         extra = metrics["extra"]
         for key in ("router_cpu_s", "endpoints_cpu_s", "client_cpu_s"):
             assert extra[key] > 0
+        assert extra["picker_first_bytes"] == 24  # full responses: every first byte seen
         shares = extra["router_cpu_s.kv-picker"] + extra["router_cpu_s.envoy"]
         assert shares == pytest.approx(extra["router_cpu_s"], abs=0.01)
     report = (out / "results.md").read_text()
@@ -199,3 +200,18 @@ def test_the_offline_counterpart_scrapes_as_each_live_picker_did() -> None:
     assert counterpart.order["ttft_mean"]["live"] == ["random", "kv-picker"]
     offline_order = counterpart.order["ttft_mean"]["offline"]
     assert counterpart.same_order["ttft_mean"] == (offline_order == ["random", "kv-picker"])
+
+
+@pytest.mark.skipif(not _have_envoy(), reason="no Envoy binary (the dev extra ships one)")
+def test_live_with_lean_responses_routes_and_replays_offline_the_same_way(tmp_path: Path) -> None:
+    out = tmp_path / "lean"
+    argv = [*COMMON, "--policy", "kv-picker", "--responses", "lean", "--out", str(out)]
+    assert live_main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["responses"] == "lean"
+    metrics = document["policies"]["kv-picker"]
+    assert metrics["ok"] == 24 and metrics["errors"] == 0
+    assert metrics["hit_ratio"] > 0
+    assert document["offline"]["policies"]["kv-picker"]["ok"] == 24
+    assert "no chunk (`lean`)" in (out / "results.md").read_text()
+    assert metrics["extra"]["picker_first_bytes"] == 0  # Envoy sent it no response chunk
