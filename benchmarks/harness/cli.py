@@ -33,7 +33,7 @@ from kv_picker_bench.harness.args import (
     trace_from_args,
 )
 from kv_picker_bench.harness.floors import Floors, ideal_caches, ttft_floors
-from kv_picker_bench.harness.policies import Policy, harness_registry
+from kv_picker_bench.harness.policies import Policy
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
     cluster_json,
@@ -46,7 +46,7 @@ from kv_picker_bench.harness.report import (
     summarize,
     write_json,
 )
-from kv_picker_bench.harness.simulator import ClusterConfig, run_policy
+from kv_picker_bench.harness.simulator import ClusterConfig
 from kv_picker_bench.harness.traces import Trace, slice_trace
 
 # ----------------------------------------------------------------------------- offline
@@ -92,18 +92,7 @@ def _run_job(job: _Job) -> _JobResult:
                 counter.value += count - done[0]
         done[0] = count
 
-    registry = harness_registry()
-    trace = traces[job.load]
-    result = run_policy(
-        trace,
-        config,
-        job.policy.config(registry),
-        registry,
-        job.policy.name,
-        seed=_WORKER["seed"],
-        progress=progress,
-        needs_prompt=job.policy.needs_prompt,
-    )
+    result = job.policy.replay(traces[job.load], config, _WORKER["seed"], progress)
     metrics = summarize(result, config)
     rows: list[dict[str, Any]] = []
     if _WORKER["save"]:

@@ -74,7 +74,7 @@ from kv_picker_bench.harness.report import (
     summarize,
     write_json,
 )
-from kv_picker_bench.harness.simulator import ClusterConfig, run_policy
+from kv_picker_bench.harness.simulator import ClusterConfig
 from kv_picker_bench.harness.traces import Trace, prompt_text
 from kv_picker_bench.localstack import (
     LocalStack,
@@ -417,16 +417,7 @@ def offline_counterpart(
         live_config = Policy(policy.name, document, policy.source).config(registry)
         interval = live_config.metrics.scrape_interval_s / time_scale
         offline = replace(config, scrape_interval_s=interval, first_byte_seen=responses == "full")
-        result = run_policy(
-            trace,
-            offline,
-            policy.config(registry),
-            registry,
-            policy.name,
-            seed=seed,
-            needs_prompt=policy.needs_prompt,
-        )
-        rows.append(summarize(result, offline))
+        rows.append(summarize(policy.replay(trace, offline, seed), offline))
         intervals[policy.name] = interval
     live = [by_name[m.policy] for m in rows]
     difference = {

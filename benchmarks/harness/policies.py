@@ -52,7 +52,7 @@ service's wins).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -70,7 +70,13 @@ from kv_picker.scheduling.signals import PROMPT_TOKENS
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.hashing import chain_keys, chain_root
 from kv_picker.state.prefix_runs import leading_runs, mask_of
-from kv_picker_bench.harness.simulator import BLOCK_KEYS_STATE
+from kv_picker_bench.harness.simulator import (
+    BLOCK_KEYS_STATE,
+    ClusterConfig,
+    SimulationResult,
+    run_policy,
+)
+from kv_picker_bench.harness.traces import Trace
 
 # ------------------------------------------------------------------------------ plugins
 
@@ -428,6 +434,30 @@ class Policy:
             return True
         return not all(
             isinstance(p, Mapping) and p.get("type") in _TEXT_FREE_TYPES for p in plugins
+        )
+
+    def replay(
+        self,
+        trace: Trace,
+        cluster: ClusterConfig,
+        seed: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> SimulationResult:
+        """Run this policy over ``trace`` on the simulated ``cluster`` (the harness registry).
+
+        Raises:
+            ConfigError: If the policy's config is invalid.
+        """
+        registry = harness_registry()
+        return run_policy(
+            trace,
+            cluster,
+            self.config(registry),
+            registry,
+            self.name,
+            seed=seed,
+            progress=progress,
+            needs_prompt=self.needs_prompt,
         )
 
 

@@ -102,7 +102,7 @@ from kv_picker_bench.harness.args import (
 from kv_picker_bench.harness.paths import portable_argv, portable_path, repository_root
 from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policy
 from kv_picker_bench.harness.report import cluster_json, describe_cluster, summarize, write_json
-from kv_picker_bench.harness.simulator import OK, ClusterConfig, run_policy
+from kv_picker_bench.harness.simulator import OK, ClusterConfig
 from kv_picker_bench.harness.space import (
     DEFAULT_SPACE,
     DEFAULT_SPACE_SOURCE,
@@ -202,16 +202,7 @@ def replay_window(
     """
     if pd_threshold is not None:
         policy = pd_variant(policy, pd_threshold)
-    registry = harness_registry()
-    result = run_policy(
-        trace,
-        cluster,
-        policy.config(registry),
-        registry,
-        policy.name,
-        seed=seed,
-        needs_prompt=policy.needs_prompt,
-    )
+    result = policy.replay(trace, cluster, seed)
     metrics = summarize(result, cluster)
     served = [o for o in result.outcomes if o.status == OK]
     return WindowResult(
