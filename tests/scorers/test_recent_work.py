@@ -212,3 +212,9 @@ def test_match_scaled_without_a_prefix_match_is_the_plain_score() -> None:
     store.add_recent_prefill(1, 10_000.0, 0.0)
     scaled = RecentWorkScorer("w", RecentWorkParams(matchScaled=True), make_context(store))
     assert scores(scaled, store) == pytest.approx([1.0, 0.0])  # no prefix scorer ran
+
+
+def test_match_scaled_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError, match="matchScaled"):
+        decode(RecentWorkParams, {"matchScaled": "sometimes"}, "parameters")
+    assert decode(RecentWorkParams, {"matchScaled": True}, "parameters").matchScaled is True

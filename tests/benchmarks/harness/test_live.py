@@ -215,3 +215,25 @@ def test_live_with_lean_responses_routes_and_replays_offline_the_same_way(tmp_pa
     assert document["offline"]["policies"]["kv-picker"]["ok"] == 24
     assert "no chunk (`lean`)" in (out / "results.md").read_text()
     assert metrics["extra"]["picker_first_bytes"] == 0  # Envoy sent it no response chunk
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--responses", "none"], "argument --responses: invalid choice: 'none'"),
+        (["--time-scale", "0"], "--time-scale must be a positive number"),
+        (["--time-scale", "nan"], "--time-scale must be a positive number"),
+    ],
+    ids=["responses", "zero time scale", "nan time scale"],
+)
+def test_live_refuses_bad_flags_before_starting_anything(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _children()
+    try:
+        code = live_main([*COMMON, "--policy", "kv-picker", *extra])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert _children() <= before
