@@ -22,6 +22,13 @@ elsewhere; with ``promptScale: 2`` that happens for a difference in flight of th
 spreads at ``fullScale``. Without it, one long context in flight exceeds an 8,192-token
 ``fullScale`` and every long question after it is spread as if the pool were busy.
 
+``cachedScale`` (``unit: tokens`` only) grows the scale with what moving would lose instead: a
+difference counts in full only once the busiest candidate holds ``cachedScale`` times the prompt
+tokens the best-matching candidate already holds for the request (from the prefix scorer, which
+must run first; 0 when none ran). A long prompt that nobody holds (a new document) spreads at
+``fullScale`` like a short one, since it costs the same prefill wherever it goes, while a
+question about a cached document stays near it. When both are set the larger scale counts.
+
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count
 reacts at once and spreads the burst.
@@ -46,7 +53,7 @@ Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (
 flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
 (0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
 with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
-``promptScale`` (0: off; needs ``unit: tokens``).
+``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from kv_picker.decode import NonNegative, Positive
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
-from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, prompt_tokens
+from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, cached_tokens, prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class ActiveRequestParams:
     ownDecode: bool = False
     charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
     promptScale: Annotated[float, NonNegative] = 0.0
+    cachedScale: Annotated[float, NonNegative] = 0.0
 
 
 class ActiveRequestScorer:
@@ -92,6 +100,9 @@ class ActiveRequestScorer:
         self._prompt_scale = params.promptScale
         if params.promptScale > 0 and params.unit != "tokens":
             raise ValueError("promptScale needs unit: tokens (it scales by the prompt's tokens)")
+        self._cached_scale = params.cachedScale
+        if params.cachedScale > 0 and params.unit != "tokens":
+            raise ValueError("cachedScale needs unit: tokens (it scales by cached prompt tokens)")
         self._tokens = params.unit == "tokens"
         self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
@@ -101,7 +112,7 @@ class ActiveRequestScorer:
         in_flight = self._in_flight
         hardware = self._hardware
         if hardware is None:
-            span = self._span(request, max(in_flight[e.id] for e in candidates))
+            span = self._span(request, candidates, max(in_flight[e.id] for e in candidates))
             idle = self._idle
             for i, endpoint in enumerate(candidates):
                 count = in_flight[endpoint.id]
@@ -122,14 +133,17 @@ class ActiveRequestScorer:
         else:
             for endpoint in candidates:
                 loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
-        span = self._span(request, max(loads))
+        span = self._span(request, candidates, max(loads))
         idle = self._idle
         for i, load in enumerate(loads):
             out[i] = 1.0 if load <= idle else 1.0 - load / span
 
-    def _span(self, request: LLMRequest, busiest: float) -> float:
+    def _span(self, request: LLMRequest, candidates: Sequence[Endpoint], busiest: float) -> float:
         """The load that counts in full: the busiest candidate's, or the damping scales."""
         span = max(busiest, self._scale)
         if self._prompt_scale > 0:
             span = max(span, self._prompt_scale * prompt_tokens(request, self._chars_per_token))
+        if self._cached_scale > 0:
+            held = max(cached_tokens(request, endpoint.id) for endpoint in candidates)
+            span = max(span, self._cached_scale * held)
         return span

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kv_picker.decode import decode
 from kv_picker.errors import ConfigError
+from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.active_request import ActiveRequestParams, ActiveRequestScorer
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import make_context, make_director, make_request, make_scheduler, make_store
@@ -184,3 +185,54 @@ def test_prompt_scale_needs_tokens() -> None:
         make_scheduler(document, make_store(2))
     with pytest.raises(ConfigError, match="promptScale"):
         decode(ActiveRequestParams, {"unit": "tokens", "promptScale": -1}, "parameters")
+
+
+def _matched(request: object, block_tokens: float, blocks: dict[int, int], total: int) -> None:
+    request.state[PREFIX_MATCH] = PrefixMatch(block_tokens, total, dict(blocks))  # type: ignore[attr-defined]
+
+
+def test_cached_scale_damps_spreading_by_what_moving_would_lose() -> None:
+    """A question whose 40,000-token document endpoint 0 holds stays near it; a new document of
+    the same length, held nowhere, spreads as a short request does."""
+    store = _classed_store(["H100", "H100"])
+    store.in_flight_tokens[:2] = [40_000, 0]  # type: ignore[attr-defined]
+    params = ActiveRequestParams(unit="tokens", perHardware=True, fullScale=8192, cachedScale=2)
+    scorer = ActiveRequestScorer("a", params, make_context(store))  # type: ignore[arg-type]
+    cached_question = make_request("x" * 160_400)
+    _matched(cached_question, 16.0, {0: 2500}, 2506)  # 40,000 tokens held: the scale is 80,000
+    new_document = make_request("x" * 160_400)
+    _matched(new_document, 16.0, {}, 2506)  # nobody holds it: the busiest's 40,000 sets it
+    no_prefix_scorer = make_request("x" * 160_400)  # no match at all: as if nothing is held
+    for request, expected in (
+        (cached_question, [0.5, 1.0]),
+        (new_document, [0.0, 1.0]),
+        (no_prefix_scorer, [0.0, 1.0]),
+    ):
+        out = [0.0, 0.0]
+        scorer.score(request, store.all(), out)  # type: ignore[attr-defined]
+        assert out == pytest.approx(expected)
+
+
+def test_cached_scale_takes_the_larger_scale_with_prompt_scale() -> None:
+    store = make_store(2)
+    store.in_flight_tokens[:2] = [60_000, 0]
+    params = ActiveRequestParams(unit="tokens", promptScale=1, cachedScale=4)
+    scorer = ActiveRequestScorer("a", params, make_context(store))
+    request = make_request("x" * 160_000)  # 40,000 tokens: promptScale's scale is 40,000
+    _matched(request, 16.0, {1: 1250}, 2500)  # 20,000 held by endpoint 1: cachedScale's 80,000
+    out = [0.0, 0.0]
+    scorer.score(request, store.all(), out)
+    assert out == pytest.approx([0.25, 1.0])
+
+
+def test_cached_scale_needs_tokens() -> None:
+    document = {
+        "plugins": [
+            {"type": "active-request-scorer", "parameters": {"cachedScale": 2}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"active-request-scorer.*cachedScale needs unit: tokens"):
+        make_scheduler(document, make_store(2))
+    with pytest.raises(ConfigError, match="cachedScale"):
+        decode(ActiveRequestParams, {"unit": "tokens", "cachedScale": -1}, "parameters")
