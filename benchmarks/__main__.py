@@ -16,6 +16,7 @@ COMMANDS = {
     "sweep": "kv_picker_bench.harness.sweep",
     "matrix": "kv_picker_bench.harness.matrix",
     "families": "kv_picker_bench.harness.families",
+    "moves": "kv_picker_bench.harness.moves",
     "live": "kv_picker_bench.harness.live",
     "peers": "kv_picker_bench.harness.peers",
     "tracing": "kv_picker_bench.tracing_overhead",
@@ -40,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  sweep      offline replay at several offered loads x policies")
         print("  matrix     every policy on workload families x loads x clusters x timings")
         print("  families   the trace generators --trace accepts, their parameters and ranges")
+        print("  moves      one matrix cell: requests placed away from their context's holder, why")
         print("  live       trace slice through real Envoy + kv-picker + simulated endpoints")
         print("  peers      the same slice through vllm-router / sglang-router")
         print("  tracing    per-request cost of OpenTelemetry tracing, off and on (in process)")

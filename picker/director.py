@@ -309,6 +309,8 @@ class Director:
             if trace is not None:
                 trace.fail(span, error)
             raise
+        if explain:
+            result.signals = dict(request.state)
         if trace is None:
             return self._pick(request, result, dry_run)
         if span is not None:

@@ -851,7 +851,7 @@ def _timing_overrides(name: str) -> dict[str, Any]:
 RESPONSES = ("full", "lean", "end-only")
 
 
-def _overrides_for(responses: str) -> Callable[[str], dict[str, Any]]:
+def cluster_overrides(responses: str) -> Callable[[str], dict[str, Any]]:
     """The cluster overrides of each timing profile, seen through ``--responses``."""
     seen = {"first_byte_seen": responses == "full", "first_tokens_scraped": responses != "end-only"}
 
@@ -994,7 +994,7 @@ def _matrix(argv: Sequence[str]) -> int:
             timings,
             policies,
             args.quick,
-            _overrides_for(args.responses),
+            cluster_overrides(args.responses),
             draw,
         )
         out = folder if len(draws) == 1 else folder / f"draw-{draw}"
@@ -1133,7 +1133,7 @@ def _against(
     for draw, stored in stored_draws.items():
         plan = plan_matrix(
             families, loads, clusters, timings, policies, args.quick,
-            _overrides_for(args.responses), draw,
+            cluster_overrides(args.responses), draw,
         )  # fmt: skip
         against.restrict_plan(plan, stored)
         if not plan.cells:

@@ -285,6 +285,9 @@ class SimulationResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+RouteObserver = Callable[[TraceRequest, RoutedRequest, list[int]], None]
+
+
 # ------------------------------------------------------------------------------- engine
 
 
@@ -492,6 +495,10 @@ class ClusterSimulator:
         progress: Called with the number of requests routed so far, now and then.
         needs_prompt: Build each request's prompt text (policies that never read it skip it).
         check_invariants: Check every cache's bookkeeping after every event (slow; tests).
+        on_route: Called after every pick with the trace request, the routed request (routed
+            with ``explain``, so its result keeps every scorer's scores) and, per endpoint,
+            the leading blocks of the request's prompt it holds or is computing (the truth the
+            picker estimates; ``kv-picker bench moves`` reads it).
     """
 
     def __init__(
@@ -505,6 +512,7 @@ class ClusterSimulator:
         progress: Callable[[int], None] | None = None,
         needs_prompt: bool = True,
         check_invariants: bool = False,
+        on_route: RouteObserver | None = None,
     ) -> None:
         if trace.block_tokens % config.block_size:
             raise ValueError(
@@ -517,6 +525,7 @@ class ClusterSimulator:
         self.progress = progress
         self.needs_prompt = needs_prompt
         self.check_invariants = check_invariants
+        self.on_route = on_route
         self.clock = SimClock()
         self.store = EndpointStore(self.clock)
         specs = []
@@ -723,6 +732,21 @@ class ClusterSimulator:
 
     # ------------------------------------------------------------------------- routing
 
+    @staticmethod
+    def _held_blocks(engine: _Engine, keys: Sequence[int]) -> int:
+        """The leading blocks of ``keys`` that ``engine`` holds in its cache or is computing
+        for a request whose prefill has not finished (those are cached once it has)."""
+        held = engine.cache.lookup(keys)
+        for seq in (*engine.waiting, *engine.prefilling):
+            other = seq.keys
+            n = 0
+            for a, b in zip(keys, other, strict=False):
+                if a != b:
+                    break
+                n += 1
+            held = max(held, n)
+        return held
+
     def _route(self, trace_request: TraceRequest, now_s: float) -> None:
         config = self.config
         outcome = RequestOutcome(
@@ -751,7 +775,10 @@ class ClusterSimulator:
         )
         self._stamp_scrapes()
         try:
-            routed = self.director.route(request)
+            if self.on_route is None:
+                routed = self.director.route(request)
+            else:
+                routed = self.director.route(request, explain=True)
         except SaturatedError as exc:
             outcome.status, outcome.detail = SHED, exc.message
             return
@@ -762,6 +789,8 @@ class ClusterSimulator:
             outcome.status, outcome.detail = ERROR, f"{type(exc).__name__}: {exc}"
             return
         self._routed[outcome.index] = routed
+        if self.on_route is not None:
+            self.on_route(trace_request, routed, [self._held_blocks(e, keys) for e in self.engines])
         if not config.first_byte_seen:
             routed.no_first_byte()
         decode_id = routed.endpoint.id

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from kv_picker.endpoint import Endpoint, EndpointId
 from kv_picker.errors import ConfigError
@@ -79,11 +79,15 @@ class SchedulingResult:
         profile_results: every profile that ran, by name.
         prefill_profile: the profile that picked a separate prefill endpoint (P/D), named by
             the profile handler; None when the request is served aggregated.
+        signals: the plugins' per-request signals (``LLMRequest.state``, e.g. the prefix
+            match) as scheduling left them; kept only when explaining, since a routed request
+            drops them.
     """
 
     primary_profile: str
     profile_results: dict[str, ProfileResult]
     prefill_profile: str | None = None
+    signals: dict[str, Any] | None = None
 
     @property
     def primary(self) -> ProfileResult:

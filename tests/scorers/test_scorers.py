@@ -3,6 +3,7 @@ from collections import Counter
 import pytest
 
 from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
+from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.kv_cache_utilization import (
     KVCacheUtilizationParams,
     KVCacheUtilizationScorer,
@@ -126,6 +127,15 @@ def test_default_profile_sees_a_long_cached_context_as_cached() -> None:
     assert latency[holder] == 1.0
     # Elsewhere the whole context is prefill: many times slower than the suffix alone.
     assert max(s for i, s in enumerate(latency) if i != holder) < 0.1, latency
+    # Explaining keeps the prefix match the scorers read, though the routed request dropped it.
+    assert routed.request.state == {}
+    assert routed.result.signals is not None
+    match = routed.result.signals[PREFIX_MATCH]
+    assert isinstance(match, PrefixMatch)
+    assert match.cached_tokens(first.endpoint.id) > 20_000
+    assert all(match.cached_tokens(e.id) == 0 for e in result.candidates if e is not first.endpoint)
+    plain = director.route(make_request(context + " again?", request_id="turn-3"))
+    assert plain.result is not None and plain.result.signals is None
 
 
 def test_removed_endpoint_leaves_the_prefix_index() -> None:

@@ -366,10 +366,10 @@ def test_a_quick_matrix_through_the_command_line(tmp_path: Path) -> None:
 
 
 def test_lean_responses_hide_first_bytes_from_every_cluster_of_the_matrix() -> None:
-    from kv_picker_bench.harness.matrix import CLUSTERS, _overrides_for
+    from kv_picker_bench.harness.matrix import CLUSTERS, cluster_overrides
 
     for responses, seen in (("full", True), ("lean", False)):
-        overrides = _overrides_for(responses)("llama-3.1-70b-h100-tp4")
+        overrides = cluster_overrides(responses)("llama-3.1-70b-h100-tp4")
         config = CLUSTERS["small4"].config(**overrides)
         assert config.first_byte_seen is seen
         assert config.timing.name == "llama-3.1-70b-h100-tp4"
