@@ -174,19 +174,6 @@ def test_prompt_scale_damps_spreading_in_proportion_to_the_request_being_placed(
         assert out == pytest.approx(expected) and base == pytest.approx(without)
 
 
-def test_prompt_scale_needs_tokens() -> None:
-    document = {
-        "plugins": [
-            {"type": "active-request-scorer", "parameters": {"promptScale": 2}},
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match=r"active-request-scorer.*promptScale needs unit: tokens"):
-        make_scheduler(document, make_store(2))
-    with pytest.raises(ConfigError, match="promptScale"):
-        decode(ActiveRequestParams, {"unit": "tokens", "promptScale": -1}, "parameters")
-
-
 def _matched(request: object, block_tokens: float, blocks: dict[int, int], total: int) -> None:
     request.state[PREFIX_MATCH] = PrefixMatch(block_tokens, total, dict(blocks))  # type: ignore[attr-defined]
 
@@ -225,14 +212,15 @@ def test_cached_scale_takes_the_larger_scale_with_prompt_scale() -> None:
     assert out == pytest.approx([0.25, 1.0])
 
 
-def test_cached_scale_needs_tokens() -> None:
+@pytest.mark.parametrize("name", ["promptScale", "cachedScale"])
+def test_the_prompt_scales_need_tokens(name: str) -> None:
     document = {
         "plugins": [
-            {"type": "active-request-scorer", "parameters": {"cachedScale": 2}},
+            {"type": "active-request-scorer", "parameters": {name: 2}},
             {"type": "max-score-picker"},
         ],
     }
-    with pytest.raises(ConfigError, match=r"active-request-scorer.*cachedScale needs unit: tokens"):
+    with pytest.raises(ConfigError, match=rf"active-request-scorer.*{name} needs unit: tokens"):
         make_scheduler(document, make_store(2))
-    with pytest.raises(ConfigError, match="cachedScale"):
-        decode(ActiveRequestParams, {"unit": "tokens", "cachedScale": -1}, "parameters")
+    with pytest.raises(ConfigError, match=name):
+        decode(ActiveRequestParams, {"unit": "tokens", name: -1}, "parameters")
