@@ -124,10 +124,12 @@ IGNORED_SECTIONS = (
 #   keeps affinity; with ownDecode, a candidate slower than the fastest also counts the request
 #   being placed at its decode speed (the extra decode it would cost there), so an idle L4 next
 #   to H100s is no longer the best place for a long prompt; on a pool of one class it changes
-#   nothing; with promptScale 2 the damping scale is also at least twice this request's prompt,
-#   so a long question leaves the endpoint that holds its context only for a difference in
-#   flight of about twice its own size (a few short requests no longer outweigh a 30,000-token
-#   cache hit);
+#   nothing; with cachedScale 2 the damping scale is also at least twice the prompt tokens the
+#   best-matching candidate holds, so a question leaves the endpoint that holds its context
+#   only for a difference in flight of about twice what moving would recompute (a few short
+#   requests no longer outweigh a 30,000-token cache hit), while a long prompt nobody holds
+#   spreads like a short one (promptScale 2, the default before it, damped by the whole
+#   prompt: measured alike, benchmarks/RESULTS.md section 1);
 # - prefix-cache-scorer (1): the matched share of the prompt, for affinity where the others tie
 #   (the latency estimate already counts cached tokens as free). It matches up to 2,048 blocks
 #   (about 32,000 tokens), not the upstream 256 (about 4,000): the latency estimate takes its
@@ -154,7 +156,7 @@ DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
             "perHardware": True,
             "fullScale": 8192,
             "ownDecode": True,
-            "promptScale": 2,
+            "cachedScale": 2,
         },
     },
     {"type": "recent-work-scorer", "parameters": {"idleShare": 0.25}},

@@ -28,6 +28,9 @@ tokens the best-matching candidate already holds for the request (from the prefi
 must run first; 0 when none ran). A long prompt that nobody holds (a new document) spreads at
 ``fullScale`` like a short one, since it costs the same prefill wherever it goes, while a
 question about a cached document stays near it. When both are set the larger scale counts.
+The built-in default sets ``cachedScale: 2`` in place of ``promptScale: 2``: on the routing
+matrix it passed as many pooled tuning cells (123) and, on three draws no choice had seen, as
+many pooled cells (203 of 240) with no worse worst cell (``benchmarks/RESULTS.md`` section 1).
 
 Why: scraped queue depth lags by a scrape interval. In a burst, a prefix-affine request stream
 would keep landing on one endpoint until its queue shows up in ``/metrics``; the in-flight count

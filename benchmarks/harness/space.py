@@ -76,8 +76,8 @@ DEFAULT_SPACE = """\
 # The built-in search space of `kv-picker tune`: the weights of the built-in default profile's
 # four scorers, two scraped load signals it leaves out (tried in and out), and the parameters
 # that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
-# affinity on a lightly loaded pool, its promptScale the same for long requests in proportion to
-# their size; its ownDecode matters on mixed hardware only;
+# affinity on a lightly loaded pool, its cachedScale the same in proportion to what moving a
+# request would recompute, its promptScale in proportion to the request's size; its ownDecode matters on mixed hardware only;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts; prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
 # latency estimate see long cached documents whole, which keeps their questions with them).
@@ -104,6 +104,7 @@ dimensions:
 - {plugin: predicted-latency-scorer, parameter: decodeTokens, choices: [0, 4, 16, 64, 256]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
+- {plugin: active-request-scorer, parameter: cachedScale, choices: [0, 1, 2, 4, 8]}
 """
 """The built-in space, in the space file format (``kv-picker tune --print-space``)."""
 

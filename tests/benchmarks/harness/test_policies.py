@@ -192,15 +192,17 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_prompt_scale_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/prompt-scale/) are the present
+def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/cached-scale/) are the present
     # default's: the file must not drift from it. The profiles of the defaults before it differ
-    # from it by one parameter each (promptScale, then ownDecode), and then by one scorer.
-    assert _parsed(f"c={PROFILES / 'prompt-scale.yaml'}") == _parsed("kv-picker")
+    # from it by one parameter each (cachedScale for promptScale, then promptScale, then
+    # ownDecode), and then by one scorer.
+    assert _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}") == _parsed("kv-picker")
     default_profiles, default_plugins = _parsed("kv-picker")
+    prompt_profiles, prompt_plugins = _parsed(f"p={PROFILES / 'prompt-scale.yaml'}")
     own_profiles, own_plugins = _parsed(f"o={PROFILES / 'own-decode.yaml'}")
     recent_profiles, recent_plugins = _parsed(f"r={PROFILES / 'recent-work.yaml'}")
-    assert own_profiles == recent_profiles == default_profiles
+    assert prompt_profiles == own_profiles == recent_profiles == default_profiles
 
     def one_change(before: list[Any], after: list[Any]) -> tuple[Any, Any]:
         changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
@@ -209,7 +211,11 @@ def test_the_prompt_scale_candidate_is_the_built_in_default() -> None:
         assert kind == "active-request-scorer"
         return old, new
 
-    before, after = one_change(own_plugins, default_plugins)
+    before, after = one_change(prompt_plugins, default_plugins)
+    assert (before.promptScale, before.cachedScale) == (2, 0)
+    assert (after.promptScale, after.cachedScale) == (0, 2)
+    assert replace(after, promptScale=2, cachedScale=0) == before
+    before, after = one_change(own_plugins, prompt_plugins)
     assert (before.promptScale, after.promptScale) == (0, 2)
     assert replace(after, promptScale=0) == before
     before, after = one_change(recent_plugins, own_plugins)
@@ -219,11 +225,12 @@ def test_the_prompt_scale_candidate_is_the_built_in_default() -> None:
     assert [p for p in recent_plugins if p[1] != "recent-work-scorer"] == before_plugins
 
 
-def test_the_calibrated_70b_profile_is_the_default_with_the_70b_timing_constants() -> None:
+def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:
     # results/candidates/calibrated-70b/ measures what the default's 8B constants cost on the
-    # 70B cells: the file must be the default but for the latency estimate's four constants,
-    # and those must be the 70B timing profile's (to the rounding written in the file).
-    default_profiles, default_plugins = _parsed("kv-picker")
+    # 70B cells, measured when the default was prompt-scale.yaml: the file must be that default
+    # but for the latency estimate's four constants, and those must be the 70B timing
+    # profile's (to the rounding written in the file).
+    default_profiles, default_plugins = _parsed(f"p={PROFILES / 'prompt-scale.yaml'}")
     profiles, plugins = _parsed(f"c={PROFILES / 'calibrated-70b.yaml'}")
     assert profiles == default_profiles
     changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]

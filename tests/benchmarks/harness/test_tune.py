@@ -147,7 +147,8 @@ def test_the_default_space_starts_from_the_built_in_default() -> None:
     assert "queue-scorer.weight" not in space.base_values
     assert space.base_values["active-request-scorer.ownDecode"] is True
     assert space.base_values["predicted-latency-scorer.decodeTokens"] == 0
-    assert space.base_values["active-request-scorer.promptScale"] == 2
+    assert space.base_values["active-request-scorer.promptScale"] == 0
+    assert space.base_values["active-request-scorer.cachedScale"] == 2
     document, chosen = space.build(FixedChooser(space.base_values))
     assert chosen == space.base_values
     registry = harness_registry()
