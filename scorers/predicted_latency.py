@@ -83,6 +83,19 @@ routing matrix's tuning families it passed 119 cells against the default's 123 (
 while its TTFT mean and p90 were 0.5% and 0.6% lower than the default's, as geometric means
 over the cells (``benchmarks/RESULTS.md`` section 1): the default does not set it yet.
 
+``queueProgress: p`` (0: off; at most 1) counts the queued prefill as partly done. ``Q`` is
+counted from the pick to the first byte, whatever the endpoint has computed of it meanwhile:
+an endpoint prefilling a 40,000-token document for one question looks as far from a second
+question's first token when it has one chunk left as when it has just begun, and the second
+question, cached there once the first is through, moves to an idle endpoint that computes the
+document again. With the option, the head of the queue (the oldest request sent there whose
+prefill has not ended) has run since the queue last became non-empty or a prefill there last
+ended, and ``p`` times that time, at the class's prefill speed, comes off ``queued_s``, at most
+the mean queued request's share of it (which request is at the head is not known). The picker's
+clock is not the engine's: with constants faster than the engine's, the queue looks done early;
+``p`` below 1 hedges that. With ``serve --workers`` the head's start is this worker's own
+knowledge: while only other workers' requests are queued, nothing comes off.
+
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
 term, requests whose prompts are cached look free while they wait for a slot (their prefill is
@@ -108,7 +121,7 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
-``missCost`` (0), ``ownWaitingAtScrape`` (false).
+``missCost`` (0), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
 """
 
 from __future__ import annotations
@@ -142,6 +155,7 @@ class PredictedLatencyParams:
     decodeTokens: Annotated[float, NonNegative] = 0.0
     missCost: Annotated[float, NonNegative] = 0.0
     ownWaitingAtScrape: bool = False
+    queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
 
 
 class PredictedLatencyScorer:
@@ -179,6 +193,14 @@ class PredictedLatencyScorer:
             token_s, pair_s = self._token_s, self._pair_s
             work_s = uncached * token_s + uncached * (cached + uncached / 2) * pair_s
             queued_s = store.prefill_tokens[i] * token_s + store.prefill_pairs[i] * pair_s
+            progress = params.queueProgress
+            if progress and queued_s > 0.0:
+                head_s = store.prefill_head_s[i]
+                if head_s >= 0.0:
+                    # The head of the queue has been computed since head_s, at this class's
+                    # speed: at most its share of the queue (the mean request's) is done.
+                    done_s = progress * (store.now() - head_s) * hardware.prefill_speed
+                    queued_s -= min(done_s, queued_s / max(1, store.prefill_requests[i]))
             own_s = (work_s + queued_s) / hardware.prefill_speed
             steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
         own = (

@@ -20,6 +20,10 @@ scraped_prefill_requests: 1 0   0          prefill_requests when the last scrape
                                             (the own requests the scraped waiting can count)
 prefill_pairs: 2.6e7  0.0       0.0        their attention work: sum of n * (c + n / 2) over those
                                             requests (n uncached tokens after c cached ones)
+prefill_head_s: 1230.2 -1.0    -1.0       monotonic time since which the oldest of those requests
+                                            has been at the head of the endpoint's queue: when
+                                            the queue last became non-empty or a prefill ended
+                                            (-1: none queued)
 in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
                                             decode steps read; a prefill endpoint's: none)
 recent_tokens: 31000.0 0.0      0.0        uncached prompt tokens sent here to be computed, each
@@ -101,6 +105,7 @@ class EndpointStore:
         # can be this picker's own stays fixed until the next scrape, like the count itself.
         self.scraped_prefill_requests: list[int] = []
         self.prefill_pairs: list[float] = []
+        self.prefill_head_s: list[float] = []
         self.in_flight_tokens: list[float] = []
         # Prefill work sent here lately, decayed (see recent_prefill) as of recent_s.
         self.recent_tokens: list[float] = []
@@ -210,6 +215,7 @@ class EndpointStore:
             self.prefill_requests.append(0)
             self.scraped_prefill_requests.append(0)
             self.prefill_pairs.append(0.0)
+            self.prefill_head_s.append(-1.0)
             self.in_flight_tokens.append(0.0)
             self.recent_tokens.append(0.0)
             self.recent_pairs.append(0.0)
@@ -232,6 +238,7 @@ class EndpointStore:
         self.prefill_requests[endpoint_id] = 0
         self.scraped_prefill_requests[endpoint_id] = 0
         self.prefill_pairs[endpoint_id] = 0.0
+        self.prefill_head_s[endpoint_id] = -1.0
         self.in_flight_tokens[endpoint_id] = 0.0
         self.recent_tokens[endpoint_id] = 0.0
         self.recent_pairs[endpoint_id] = 0.0
@@ -307,6 +314,8 @@ class EndpointStore:
     def add_prefill(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
         """Count one request's prefill work sent to an endpoint: ``tokens`` uncached tokens,
         ``pairs`` their attention work (see the module docstring)."""
+        if not self.prefill_requests[endpoint_id]:
+            self.prefill_head_s[endpoint_id] = self._clock()
         self.prefill_tokens[endpoint_id] += tokens
         self.prefill_requests[endpoint_id] += 1
         self.prefill_pairs[endpoint_id] += pairs
@@ -345,6 +354,10 @@ class EndpointStore:
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
         self.prefill_pairs[endpoint_id] = max(0.0, self.prefill_pairs[endpoint_id] - pairs)
+        # The engine serves its queue in order: the next request is at the head from now.
+        self.prefill_head_s[endpoint_id] = (
+            self._clock() if self.prefill_requests[endpoint_id] else -1.0
+        )
 
     def request_done(self, endpoint_id: EndpointId, seconds: float) -> None:
         """A request the endpoint answered took ``seconds`` from the pick to the response's

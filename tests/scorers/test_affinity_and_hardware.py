@@ -22,7 +22,7 @@ from kv_picker.state.hardware import (
     HARDWARE_CLASS_LABEL,
     HardwareTable,
 )
-from tests.fakes import make_context, make_request, make_store
+from tests.fakes import ManualClock, make_context, make_request, make_store
 
 
 def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
@@ -286,6 +286,9 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("missCost", -0.1),
         ("missCost", "high"),
         ("ownWaitingAtScrape", "yes"),
+        ("queueProgress", -0.5),
+        ("queueProgress", 1.5),
+        ("queueProgress", "half"),
     ],
 )
 def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
@@ -364,3 +367,58 @@ def test_predicted_latency_own_waiting_at_scrape_matches_the_count_to_its_own_ti
     store.set_endpoints([EndpointSpec(finished.address), EndpointSpec("10.0.0.9:8000")])
     assert store.by_address["10.0.0.9:8000"].id == routed.id
     assert store.scraped_prefill_requests[routed.id] == 0
+
+
+def test_predicted_latency_queue_progress_counts_the_head_of_the_queue_as_partly_done() -> None:
+    # queueProgress p takes p * (time since the head of an endpoint's queue started) off its
+    # queued prefill, at the class's prefill speed, at most the mean queued request's share.
+    clock = ManualClock()
+    store = make_store(3, labels=[{HARDWARE_CLASS_LABEL: c} for c in ("H100", "H100", "L4")],
+                       clock=clock)  # fmt: skip
+    holder, idle, slow = store.all()
+    plain = PredictedLatencyScorer("p", linear_latency(), make_context(store))
+    full = PredictedLatencyScorer("p", linear_latency(queueProgress=1), make_context(store))
+    half = PredictedLatencyScorer("p", linear_latency(queueProgress=0.5), make_context(store))
+    request = make_request("x" * 400)  # 100 tokens: 0.1 s on an H100
+    assert store.prefill_head_s == [-1.0, -1.0, -1.0]
+    store.add_prefill(holder.id, 4000)  # 4 s of prefill, started now
+    assert store.prefill_head_s[holder.id] == clock()
+    clock.advance(1.0)
+    store.add_prefill(holder.id, 2000)  # queued behind it: the head is unchanged
+    assert store.prefill_head_s[holder.id] == clock() - 1.0
+    # 6 s queued; one second of it done, at most 3 s (the mean request's share).
+    assert plain.predict_ttft_s(request, holder) == pytest.approx(6.1)
+    assert full.predict_ttft_s(request, holder) == pytest.approx(5.1)
+    assert half.predict_ttft_s(request, holder) == pytest.approx(5.6)
+    clock.advance(9.0)  # long past its estimate: still no more than its share comes off
+    assert full.predict_ttft_s(request, holder) == pytest.approx(3.1)
+    assert half.predict_ttft_s(request, holder) == pytest.approx(3.1)
+    # Its prefill ends: the next request is at the head from now, its whole work queued.
+    store.prefill_done(holder.id, 4000)
+    assert store.prefill_head_s[holder.id] == clock()
+    assert full.predict_ttft_s(request, holder) == pytest.approx(2.1)
+    clock.advance(0.5)
+    assert full.predict_ttft_s(request, holder) == pytest.approx(1.6)
+    store.prefill_done(holder.id, 2000)
+    assert store.prefill_head_s[holder.id] == -1.0
+    assert full.predict_ttft_s(request, holder) == pytest.approx(0.1)
+    # An empty queue, or one whose head's start this store never saw (another worker's
+    # requests, set directly), has nothing taken off.
+    store.prefill_tokens[idle.id], store.prefill_requests[idle.id] = 1000.0, 1
+    assert full.predict_ttft_s(request, idle) == plain.predict_ttft_s(request, idle) == 1.1
+    # A slower class computes less of its queue in the same time.
+    l4 = BUILTIN_HARDWARE_CLASSES["L4"]
+    store.add_prefill(slow.id, 1000)
+    clock.advance(1.0)
+    assert full.predict_ttft_s(request, slow) == pytest.approx(
+        (1000 - 1000 * l4.prefill_speed + 100) / 1000 / l4.prefill_speed
+    )
+    # The ranking follows: a holder part-way through a long prefill beats an idle endpoint
+    # that would compute the document again.
+    store.prefill_tokens[idle.id], store.prefill_requests[idle.id] = 0.0, 0
+    document = make_request("x" * 4 * 3000)  # 3,000 tokens, all but 100 queued at the holder
+    store.add_prefill(holder.id, 2900)
+    document.state[PREFIX_MATCH] = PrefixMatch(16, 187, {holder.id: 181})
+    clock.advance(2.0)
+    assert scores(plain, store, document)[:2] == pytest.approx([3.0 / (2.9 + 0.104), 1.0])
+    assert scores(full, store, document)[:2] == pytest.approx([1.0, (0.9 + 0.104) / 3.0])

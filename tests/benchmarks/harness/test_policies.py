@@ -225,6 +225,23 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
     assert [p for p in recent_plugins if p[1] != "recent-work-scorer"] == before_plugins
 
 
+@pytest.mark.parametrize(
+    ("name", "progress"), [("queue-progress-1", 1.0), ("queue-progress-half", 0.5)]
+)
+def test_the_queue_progress_candidates_are_the_default_with_that_option(
+    name: str, progress: float
+) -> None:
+    # results/candidates/queue-progress/ judges them as the default plus queueProgress alone.
+    profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
+    default_profiles, default_plugins = _parsed("kv-picker")
+    assert profiles == default_profiles
+    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
+    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
+    (_, _, before), (_, _, after) = changed[0]
+    assert (before.queueProgress, after.queueProgress) == (0.0, progress)
+    assert replace(after, queueProgress=0.0) == before
+
+
 def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:
     # results/candidates/calibrated-70b/ measures what the default's 8B constants cost on the
     # 70B cells, measured when the default was prompt-scale.yaml: the file must be that default
