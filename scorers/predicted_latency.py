@@ -94,7 +94,10 @@ ended, and ``p`` times that time, at the class's prefill speed, comes off ``queu
 the mean queued request's share of it (which request is at the head is not known). The picker's
 clock is not the engine's: with constants faster than the engine's, the queue looks done early;
 ``p`` below 1 hedges that. With ``serve --workers`` the head's start is this worker's own
-knowledge: while only other workers' requests are queued, nothing comes off.
+knowledge: while only other workers' requests are queued, nothing comes off. On the routing
+matrix's tuning families (draws 1-3) it passed fewer cells than the default at both values
+tried (117 at 1 and 114 at 0.5, against 123; ``benchmarks/RESULTS.md`` section 1, losing
+mostly on hot shared prefixes): the default does not set it.
 
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
