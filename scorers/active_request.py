@@ -28,6 +28,14 @@ tokens the best-matching candidate already holds for the request (from the prefi
 must run first; 0 when none ran). A long prompt that nobody holds (a new document) spreads at
 ``fullScale`` like a short one, since it costs the same prefill wherever it goes, while a
 question about a cached document stays near it. When both are set the larger scale counts.
+The prefix scorer looks up at most ``maxPrefixBlocksToMatch`` blocks (2,048 in the built-in
+default, about 32,800 tokens), so for a longer prompt the holder's share is capped there: a
+question about a 60,000-token document cached whole counts 32,800 tokens held. With
+``cappedMatchIsWhole``, a best match that covers every block looked up, with prompt left past
+them, counts the whole prompt as held (a cached context is usually cached whole). On the
+routing matrix it passed one held-out cell more on draws 1-3 and the same cells on draws 13-15,
+with a worse worst throughput cell (``benchmarks/RESULTS.md`` section 1): the default does not
+set it.
 The built-in default sets ``cachedScale: 2`` in place of ``promptScale: 2``: on the routing
 matrix it passed as many pooled tuning cells (123) and, on three draws no choice had seen, as
 many pooled cells (203 of 240) with no worse worst cell (``benchmarks/RESULTS.md`` section 1).
@@ -56,7 +64,8 @@ Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (
 flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
 (0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
 with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
-``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``).
+``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``);
+``cappedMatchIsWhole`` (false; needs ``cachedScale``).
 """
 
 from __future__ import annotations
@@ -69,7 +78,13 @@ from kv_picker.decode import NonNegative, Positive
 from kv_picker.endpoint import Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
-from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, cached_tokens, prompt_tokens
+from kv_picker.scheduling.signals import (
+    DEFAULT_CHARS_PER_TOKEN,
+    PREFIX_MATCH,
+    PrefixMatch,
+    cached_tokens,
+    prompt_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,7 @@ class ActiveRequestParams:
     charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
     promptScale: Annotated[float, NonNegative] = 0.0
     cachedScale: Annotated[float, NonNegative] = 0.0
+    cappedMatchIsWhole: bool = False
 
 
 class ActiveRequestScorer:
@@ -106,6 +122,11 @@ class ActiveRequestScorer:
         self._cached_scale = params.cachedScale
         if params.cachedScale > 0 and params.unit != "tokens":
             raise ValueError("cachedScale needs unit: tokens (it scales by cached prompt tokens)")
+        if params.cappedMatchIsWhole and not params.cachedScale:
+            raise ValueError(
+                "cappedMatchIsWhole needs cachedScale (it changes what counts as held)"
+            )
+        self._capped_whole = params.cappedMatchIsWhole
         self._tokens = params.unit == "tokens"
         self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
@@ -148,5 +169,15 @@ class ActiveRequestScorer:
             span = max(span, self._prompt_scale * prompt_tokens(request, self._chars_per_token))
         if self._cached_scale > 0:
             held = max(cached_tokens(request, endpoint.id) for endpoint in candidates)
+            if self._capped_whole and held > 0:
+                match = request.state.get(PREFIX_MATCH)
+                if (
+                    isinstance(match, PrefixMatch)
+                    and match.capped
+                    and held >= match.total_blocks * match.block_tokens
+                ):
+                    # The holder has every block that was looked up; a cached context is
+                    # cached as a whole, so moving would recompute the whole prompt.
+                    held = max(held, prompt_tokens(request, self._chars_per_token))
             span = max(span, self._cached_scale * held)
         return span

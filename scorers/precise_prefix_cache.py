@@ -57,7 +57,7 @@ from kv_picker.scheduling.framework import (
     PluginGauge,
     SchedulingResult,
 )
-from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch
+from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch, prompt_tokens
 from kv_picker.state.kv_index import KVIndex, Prefetched, SpeculativeHolders
 from kv_picker.state.prefix_runs import mask_of
 from kv_picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
@@ -204,7 +204,11 @@ class PrecisePrefixCacheScorer:
         keys = self.keys(request)
         total = len(keys)
         matched: dict[int, int] = {}
-        request.state[PREFIX_MATCH] = PrefixMatch(self.event_keys.block_size_tokens, total, matched)
+        block = self.event_keys.block_size_tokens
+        # Past the limit the prompt's length is the tokenizer's count, or its characters / 4.
+        capped = bool(self.max_blocks) and total == self.max_blocks
+        capped = capped and prompt_tokens(request) >= (total + 1) * block
+        request.state[PREFIX_MATCH] = PrefixMatch(block, total, matched, capped)
         if not total:
             return
         runs = self._runs

@@ -107,9 +107,14 @@ class PrefixCacheScorer:
             return
         total = len(keys)
         matched: dict[int, int] = {}
+        block = self.params.blockSizeChars
+        # Only a prompt that reached the limit can have blocks past it (encoded only then).
+        capped = total == self.params.maxPrefixBlocksToMatch and (
+            len(request.prompt.text.encode()) >= (total + 1) * block
+        )
         # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
         request.state[PREFIX_MATCH] = PrefixMatch(
-            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN, total, matched
+            block / DEFAULT_CHARS_PER_TOKEN, total, matched, capped
         )
         runs = self._runs
         if not self.index.runs(keys, mask_of(candidates), runs):

@@ -24,13 +24,17 @@ class PrefixMatch:
 
     Attributes:
         block_tokens: tokens per block (estimated in approximate mode).
-        total_blocks: the request's full blocks.
+        total_blocks: the request's full blocks that were looked up.
         matched_blocks: endpoint id -> leading blocks held (absent: none).
+        capped: the prompt has full blocks past ``total_blocks`` that the scorer's
+            ``maxPrefixBlocksToMatch`` left unhashed, so a match of all ``total_blocks`` says
+            nothing about the rest.
     """
 
     block_tokens: float
     total_blocks: int
     matched_blocks: dict[int, int] = field(default_factory=dict)
+    capped: bool = False
 
     def cached_tokens(self, endpoint_id: int) -> float:
         return self.matched_blocks.get(endpoint_id, 0) * self.block_tokens

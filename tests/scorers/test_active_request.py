@@ -174,8 +174,10 @@ def test_prompt_scale_damps_spreading_in_proportion_to_the_request_being_placed(
         assert out == pytest.approx(expected) and base == pytest.approx(without)
 
 
-def _matched(request: object, block_tokens: float, blocks: dict[int, int], total: int) -> None:
-    request.state[PREFIX_MATCH] = PrefixMatch(block_tokens, total, dict(blocks))  # type: ignore[attr-defined]
+def _matched(
+    request: object, block_tokens: float, blocks: dict[int, int], total: int, capped: bool = False
+) -> None:
+    request.state[PREFIX_MATCH] = PrefixMatch(block_tokens, total, dict(blocks), capped)  # type: ignore[attr-defined]
 
 
 def test_cached_scale_damps_spreading_by_what_moving_would_lose() -> None:
@@ -210,6 +212,51 @@ def test_cached_scale_takes_the_larger_scale_with_prompt_scale() -> None:
     out = [0.0, 0.0]
     scorer.score(request, store.all(), out)
     assert out == pytest.approx([0.25, 1.0])
+
+
+def test_capped_match_is_whole_counts_a_match_that_reached_the_limit_as_the_whole_prompt() -> None:
+    """A 60,000-token prompt whose first 2,048 blocks (32,768 tokens) endpoint 0 holds, with the
+    rest never looked up: by default it counts 32,768 tokens held; with the option the whole
+    prompt. A match short of the limit, or a prompt that ended at it, counts what it matched."""
+    store = _classed_store(["H100", "H100"])
+    store.in_flight_tokens[:2] = [60_000, 0]  # type: ignore[attr-defined]
+    base = dict(unit="tokens", perHardware=True, fullScale=8192, cachedScale=2)
+    whole = ActiveRequestScorer(
+        "a",
+        ActiveRequestParams(**base, cappedMatchIsWhole=True),
+        make_context(store),  # type: ignore[arg-type]
+    )
+    plain = ActiveRequestScorer("a", ActiveRequestParams(**base), make_context(store))  # type: ignore[arg-type]
+    reached = make_request("x" * 240_000)  # 60,000 tokens
+    _matched(reached, 16.0, {0: 2048}, 2048, capped=True)
+    short = make_request("x" * 240_000)  # the holder has 1,000 of the 2,048 blocks looked up
+    _matched(short, 16.0, {0: 1000}, 2048, capped=True)
+    ended = make_request("x" * 131_072)  # exactly 2,048 blocks: nothing past the limit
+    _matched(ended, 16.0, {0: 2048}, 2048, capped=False)
+    capped_scale = 1 - 60_000 / 65_536  # 60,000 in flight against 2 x 32,768 held
+    for request, with_option, without in (
+        (reached, [0.5, 1.0], [capped_scale, 1.0]),  # 2 x 60,000: the whole prompt
+        (short, [0.0, 1.0], [0.0, 1.0]),  # 2 x 16,000 held: the busiest's 60,000 counts
+        (ended, [capped_scale, 1.0], [capped_scale, 1.0]),
+    ):
+        out, base_out = [0.0, 0.0], [0.0, 0.0]
+        whole.score(request, store.all(), out)  # type: ignore[attr-defined]
+        plain.score(request, store.all(), base_out)  # type: ignore[attr-defined]
+        assert out == pytest.approx(with_option) and base_out == pytest.approx(without)
+
+
+def test_capped_match_is_whole_needs_cached_scale() -> None:
+    document = {
+        "plugins": [
+            {
+                "type": "active-request-scorer",
+                "parameters": {"unit": "tokens", "cappedMatchIsWhole": True},
+            },
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match="cappedMatchIsWhole needs cachedScale"):
+        make_scheduler(document, make_store(2))
 
 
 @pytest.mark.parametrize("name", ["promptScale", "cachedScale"])

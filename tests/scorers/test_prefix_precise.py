@@ -231,8 +231,11 @@ async def test_long_prompts_are_tokenized_on_a_thread_pool() -> None:
     # Head-only tokenization: the first maxPrefixBlocksToMatch blocks, exactly.
     assert scores(scorer, request, store.all()) == [1.0, 0.0]
     assert request.state[PREFIX_MATCH].total_blocks == 256
+    assert request.state[PREFIX_MATCH].capped  # the prompt goes on past the blocks looked up
     inline = request_for({"model": "m", "prompt": long_prompt})
     assert scores(scorer, inline, store.all()) == [1.0, 0.0]
+    scores(scorer, short, store.all())
+    assert not short.state[PREFIX_MATCH].capped
     assert TOKENIZED.encode(long_prompt, max_tokens=4096) == tokens[:4096]
 
 

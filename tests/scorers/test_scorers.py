@@ -138,6 +138,26 @@ def test_default_profile_sees_a_long_cached_context_as_cached() -> None:
     assert plain.result is not None and plain.result.signals is None
 
 
+@pytest.mark.parametrize(
+    ("chars", "capped"),
+    [(10 * 4, False), (10 * 4 + 9, False), (10 * 5, True), (10 * 50, True), (10 * 3, False)],
+)
+def test_prefix_match_says_when_the_prompt_goes_on_past_the_blocks_looked_up(
+    chars: int, capped: bool
+) -> None:
+    """With at most 4 blocks of 10 characters looked up, a prompt with a fifth full block is
+    capped (the match cannot see it); one that ends inside the fourth or fifth block is not."""
+    store = make_store(2)
+    params = PrefixCacheParams(blockSizeChars=10, maxPrefixBlocksToMatch=4)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    request = make_request("a" * chars)
+    scorer.score(request, store.all(), [0.0, 0.0])
+    match = request.state[PREFIX_MATCH]
+    assert isinstance(match, PrefixMatch)
+    assert match.total_blocks == min(4, chars // 10)
+    assert match.capped is capped
+
+
 def test_removed_endpoint_leaves_the_prefix_index() -> None:
     store = make_store(2)
     scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))

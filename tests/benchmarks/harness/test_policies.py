@@ -269,3 +269,14 @@ def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants
     }
     for name, value in expected.items():
         assert getattr(params, name) == pytest.approx(value, rel=0.005), name
+
+
+def test_the_capped_match_candidate_is_the_default_with_that_option() -> None:
+    # results/candidates/capped-match/ judges it as the default plus cappedMatchIsWhole alone.
+    profiles, plugins = _parsed(f"c={PROFILES / 'capped-match.yaml'}")
+    default_profiles, default_plugins = _parsed("kv-picker")
+    assert profiles == default_profiles
+    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
+    assert [a[1] for a, _ in changed] == ["active-request-scorer"]
+    (_, _, before), (_, _, after) = changed[0]
+    assert (before.cappedMatchIsWhole, after.cappedMatchIsWhole) == (False, True)
