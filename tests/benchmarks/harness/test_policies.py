@@ -226,20 +226,25 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "progress"), [("queue-progress-1", 1.0), ("queue-progress-half", 0.5)]
+    ("name", "plugin", "option", "off", "on"),
+    [
+        ("queue-progress-1", "predicted-latency-scorer", "queueProgress", 0.0, 1.0),
+        ("queue-progress-half", "predicted-latency-scorer", "queueProgress", 0.0, 0.5),
+        ("capped-match", "active-request-scorer", "cappedMatchIsWhole", False, True),
+    ],
 )
-def test_the_queue_progress_candidates_are_the_default_with_that_option(
-    name: str, progress: float
+def test_the_one_option_candidates_are_the_default_with_that_option(
+    name: str, plugin: str, option: str, off: object, on: object
 ) -> None:
-    # results/candidates/queue-progress/ judges them as the default plus queueProgress alone.
+    # results/candidates/<name>/ judges each as the default plus that one option.
     profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
     default_profiles, default_plugins = _parsed("kv-picker")
     assert profiles == default_profiles
     changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
+    assert [a[1] for a, _ in changed] == [plugin]
     (_, _, before), (_, _, after) = changed[0]
-    assert (before.queueProgress, after.queueProgress) == (0.0, progress)
-    assert replace(after, queueProgress=0.0) == before
+    assert (getattr(before, option), getattr(after, option)) == (off, on)
+    assert replace(after, **{option: off}) == before
 
 
 def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:
@@ -269,14 +274,3 @@ def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants
     }
     for name, value in expected.items():
         assert getattr(params, name) == pytest.approx(value, rel=0.005), name
-
-
-def test_the_capped_match_candidate_is_the_default_with_that_option() -> None:
-    # results/candidates/capped-match/ judges it as the default plus cappedMatchIsWhole alone.
-    profiles, plugins = _parsed(f"c={PROFILES / 'capped-match.yaml'}")
-    default_profiles, default_plugins = _parsed("kv-picker")
-    assert profiles == default_profiles
-    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == ["active-request-scorer"]
-    (_, _, before), (_, _, after) = changed[0]
-    assert (before.cappedMatchIsWhole, after.cappedMatchIsWhole) == (False, True)
