@@ -45,6 +45,7 @@ from kv_picker.state.hashing import chain_keys, chain_root
 from kv_picker.state.prefix_runs import mask_of
 
 _KEYS_STATE = "prefix_cache.keys"
+_CAPPED_STATE = "prefix_cache.capped"
 
 # Parameters of the approximate scorer that mean nothing to the precise one.
 _APPROXIMATE_ONLY = ("mode", "blockSizeChars", "hashBlockSize", "lruCapacityPerServer")
@@ -92,13 +93,12 @@ class PrefixCacheScorer:
         keys: list[int] | None = request.state.get(_KEYS_STATE)
         if keys is None:
             root = chain_root(request.target_model, request.lora_adapter, request.cache_salt)
-            keys = chain_keys(
-                request.prompt.text.encode(),
-                root,
-                self.params.blockSizeChars,
-                self.params.maxPrefixBlocksToMatch,
-            )
+            data = request.prompt.text.encode()
+            block = self.params.blockSizeChars
+            keys = chain_keys(data, root, block, self.params.maxPrefixBlocksToMatch)
             request.state[_KEYS_STATE] = keys
+            # Full blocks past the limit: the match cannot see them (PrefixMatch.capped).
+            request.state[_CAPPED_STATE] = len(data) // block > len(keys)
         return keys
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
@@ -107,14 +107,12 @@ class PrefixCacheScorer:
             return
         total = len(keys)
         matched: dict[int, int] = {}
-        block = self.params.blockSizeChars
-        # Only a prompt that reached the limit can have blocks past it (encoded only then).
-        capped = total == self.params.maxPrefixBlocksToMatch and (
-            len(request.prompt.text.encode()) >= (total + 1) * block
-        )
         # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
         request.state[PREFIX_MATCH] = PrefixMatch(
-            block / DEFAULT_CHARS_PER_TOKEN, total, matched, capped
+            self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN,
+            total,
+            matched,
+            request.state.get(_CAPPED_STATE, False),
         )
         runs = self._runs
         if not self.index.runs(keys, mask_of(candidates), runs):
