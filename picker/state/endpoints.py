@@ -314,20 +314,26 @@ class EndpointStore:
     def add_prefill(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
         """Count one request's prefill work sent to an endpoint: ``tokens`` uncached tokens,
         ``pairs`` their attention work (see the module docstring)."""
+        now = self._clock()
         if not self.prefill_requests[endpoint_id]:
-            self.prefill_head_s[endpoint_id] = self._clock()
+            self.prefill_head_s[endpoint_id] = now
         self.prefill_tokens[endpoint_id] += tokens
         self.prefill_requests[endpoint_id] += 1
         self.prefill_pairs[endpoint_id] += pairs
-        self.add_recent_prefill(endpoint_id, tokens, pairs)
+        self.add_recent_prefill(endpoint_id, tokens, pairs, now)
 
-    def add_recent_prefill(self, endpoint_id: EndpointId, tokens: float, pairs: float) -> None:
+    def add_recent_prefill(
+        self, endpoint_id: EndpointId, tokens: float, pairs: float, now: float | None = None
+    ) -> None:
         """Count prefill work sent to an endpoint in its recent work only (another worker's
-        pick: its queued work arrives through the workers' exchange, see ``peers``)."""
-        keep = self._recent_keep(endpoint_id)
+        pick: its queued work arrives through the workers' exchange, see ``peers``). ``now``
+        (default: the store's clock) lets a caller that has read the clock pass it on."""
+        if now is None:
+            now = self._clock()
+        keep = self._recent_keep(endpoint_id, now)
         self.recent_tokens[endpoint_id] = self.recent_tokens[endpoint_id] * keep + tokens
         self.recent_pairs[endpoint_id] = self.recent_pairs[endpoint_id] * keep + pairs
-        self.recent_s[endpoint_id] = self._clock()
+        self.recent_s[endpoint_id] = now
 
     def recent_prefill(
         self, endpoint_id: EndpointId, now: float | None = None
