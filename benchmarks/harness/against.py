@@ -3,8 +3,8 @@ judged, on a stored matrix, running only the candidates.
 
 A full matrix runs every policy on every cell (minutes per draw on two cores); a candidate for
 the default only needs its own runs, compared with the stored runs of the other policies. For
-each stored draw (``DIR/matrix.json``, or ``DIR/draw-N/matrix.json`` for several draws), each
-``--policy`` is run on the stored cells and judged by the default's bar (TTFT mean and p90
+each stored draw (``DIR/matrix.json``, or ``DIR/draw-N/matrix.json`` for several draws; either
+may be kept gzip-compressed as ``matrix.json.gz``), each ``--policy`` is run on the stored cells and judged by the default's bar (TTFT mean and p90
 within 5% of the best, throughput within 5%, none worse than the GIE default) against the
 stored policies *other than the stored default*, alone: candidates never compete with each
 other, and each is judged exactly as it would be were it the default. The stored default is
@@ -21,7 +21,6 @@ conversation window) is compared with the stored one, and a difference (another
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,19 +44,33 @@ from kv_picker_bench.harness.matrix import (
     geometric_mean,
     pooled_results,
 )
-from kv_picker_bench.harness.report import PolicyMetrics, at_stored_precision
+from kv_picker_bench.harness.report import PolicyMetrics, at_stored_precision, read_json
+
+STORED_NAMES = ("matrix.json", "matrix.json.gz")
+
+
+def stored_figures(folder: Path) -> Path | None:
+    """A folder's stored figures: ``matrix.json``, or ``matrix.json.gz`` (the same document,
+    gzip-compressed, as large stored matrices are kept); None when it has neither."""
+    for name in STORED_NAMES:
+        if (folder / name).is_file():
+            return folder / name
+    return None
 
 
 def stored_matrix_path(folder: Path, draw: int, draws: int) -> Path:
-    """Where draw ``draw`` of a stored matrix is: ``draw-N/matrix.json``, or ``matrix.json``
-    for a single-draw folder when only one draw is asked for."""
-    nested = folder / f"draw-{draw}" / "matrix.json"
-    if nested.is_file():
+    """Where draw ``draw`` of a stored matrix is: ``draw-N/matrix.json`` (or ``.json.gz``), or
+    ``matrix.json`` for a single-draw folder when only one draw is asked for."""
+    nested = stored_figures(folder / f"draw-{draw}")
+    if nested is not None:
         return nested
-    flat = folder / "matrix.json"
-    if draws == 1 and flat.is_file():
+    flat = stored_figures(folder)
+    if draws == 1 and flat is not None:
         return flat
-    raise UsageError(f"--against: no stored draw {draw} in {folder} (expected {nested})")
+    raise UsageError(
+        f"--against: no stored draw {draw} in {folder} "
+        f"(expected {folder / f'draw-{draw}' / 'matrix.json'} or .json.gz)"
+    )
 
 
 def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
@@ -67,7 +80,7 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
         UsageError: unreadable, not a matrix, or other traces.
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
         families = data["families"]
         seed = data["family_seed"]
         out = {}
@@ -84,7 +97,7 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
                 item.get("prefill_load", math.nan),
                 item.get("decode_load", math.nan),
             )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"--against: {path} is not a stored matrix: {exc!r}") from None
     if seed != draw:
         raise UsageError(f"--against: {path} is draw {seed}, not draw {draw}")

@@ -81,6 +81,7 @@ from kv_picker_bench.harness.policies import (
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
     at_stored_precision,
+    read_json,
     stored_precision,
     summarize,
     write_json,
@@ -1031,10 +1032,10 @@ def _matrix(argv: Sequence[str]) -> int:
 
 def _stored_header(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
         return {"command": str(data["command"]), "wall_s": float(data["wall_s"]),
                 "draw": int(data["family_seed"])}  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--report: {path} is not a stored matrix: {exc!r}") from None
 
 
@@ -1053,23 +1054,27 @@ def _stored_total_wall(folder: Path, summed_s: float) -> float:
 
 def _rewrite_reports(args: argparse.Namespace) -> int:
     """``--report DIR``: a stored matrix's reports written again from its ``matrix.json``
-    files (one, or one per ``draw-N/``) by this version's report code. The figures are the
+    files (one, or one per ``draw-N/``; plain or gzip-compressed, each written back as it was)
+    by this version's report code. The figures are the
     stored ones; the verdicts, tables and plots are recomputed from them."""
     from kv_picker_bench.harness import against
 
     folder: Path = args.report
-    flat = folder / "matrix.json"
-    if flat.is_file():
+    flat = against.stored_figures(folder)
+    if flat is not None:
         paths = [flat]
     else:
         found = []
-        for path in folder.glob("draw-*/matrix.json"):
-            suffix = path.parent.name.removeprefix("draw-")
-            if suffix.isdigit():
-                found.append((int(suffix), path))
+        for draw_folder in folder.glob("draw-*"):
+            suffix = draw_folder.name.removeprefix("draw-")
+            stored = against.stored_figures(draw_folder) if suffix.isdigit() else None
+            if stored is not None:
+                found.append((int(suffix), stored))
         paths = [path for _, path in sorted(found)]
     if not paths:
-        raise UsageError(f"--report: no matrix.json in {folder} or in its draw-N/ folders")
+        raise UsageError(
+            f"--report: no matrix.json (or matrix.json.gz) in {folder} or in its draw-N/ folders"
+        )
     title = args.title or "Routing-policy matrix"
     per_draw: dict[int, list[CellResult]] = {}
     command = ""

@@ -16,6 +16,7 @@ scale). Percentiles are nearest-rank: the ``ceil(p * n)``-th smallest value.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -297,7 +298,27 @@ def at_stored_precision(metrics: PolicyMetrics) -> PolicyMetrics:
 
 
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps(_clean(dict(document)), indent=2) + "\n", encoding="utf-8")
+    """A report's figures as JSON; gzip-compressed when ``path`` ends in ``.gz`` (no name or
+    time in the gzip header, so the same figures give the same bytes)."""
+    text = json.dumps(_clean(dict(document)), indent=2) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+def read_json(path: Path) -> Any:
+    """A document :func:`write_json` wrote, plain or gzip-compressed (by its ``.gz`` name).
+
+    Raises:
+        OSError: unreadable, or not gzip although named ``.gz``.
+        EOFError: a ``.gz`` file cut short.
+        ValueError: not JSON (or not UTF-8).
+    """
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    return json.loads(raw.decode("utf-8"))
 
 
 # ------------------------------------------------------------------------------ plots

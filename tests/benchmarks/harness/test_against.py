@@ -3,7 +3,9 @@ the default would be, never against each other."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,4 +166,47 @@ def test_a_stored_matrix_that_is_not_one_is_refused_naming_the_file(
     assert code == 2
     err = capsys.readouterr().err
     assert "is not a stored matrix" in err and "matrix.json" in err
+    assert not (tmp_path / "out" / "against.json").exists()
+
+
+def test_a_stored_matrix_kept_gzip_compressed_judges_as_the_plain_one(
+    stored: Path, tmp_path: Path
+) -> None:
+    """Large stored matrices are kept as ``matrix.json.gz``: the same figures, so the same
+    judgements, and ``--report`` writes them back compressed."""
+    packed = tmp_path / "packed"
+    shutil.copytree(stored, packed)
+    for draw in ("1", "3"):
+        plain = packed / f"draw-{draw}" / "matrix.json"
+        (plain.parent / "matrix.json.gz").write_bytes(gzip.compress(plain.read_bytes()))
+        plain.unlink()
+    judged = {}
+    for name, folder in (("plain", stored), ("packed", packed)):
+        out = tmp_path / f"out-{name}"
+        code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(folder),
+                            "--policy", "least-queue", "--out", str(out)])  # fmt: skip
+        assert code == 0
+        judged[name] = json.loads((out / "against.json").read_text())["judgements"]
+    assert judged["packed"] == judged["plain"]
+    assert any(row["policy"] == "least-queue" for row in judged["packed"])
+
+    stale = packed / "draw-3" / "matrix.md"
+    stale.write_text("stale")
+    assert matrix.main(["--report", str(packed), "--quick", "--no-plots"]) == 0
+    assert stale.read_text() == (stored / "draw-3" / "matrix.md").read_text()
+    assert not (packed / "draw-3" / "matrix.json").exists()
+    rewritten = json.loads(gzip.decompress((packed / "draw-3" / "matrix.json.gz").read_bytes()))
+    assert rewritten == json.loads((stored / "draw-3" / "matrix.json").read_text())
+
+
+def test_a_gzip_stored_matrix_cut_short_is_refused_naming_the_file(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = gzip.compress((stored / "draw-1" / "matrix.json").read_bytes())
+    (tmp_path / "matrix.json.gz").write_bytes(whole[: len(whole) // 2])
+    code = matrix.main([*SMALL, "--family-seed", "1", "--against", str(tmp_path), "--policy",
+                        "least-queue", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "is not a stored matrix" in err and "matrix.json.gz" in err
     assert not (tmp_path / "out" / "against.json").exists()
