@@ -4,11 +4,11 @@ judged, on a stored matrix, running only the candidates.
 A full matrix runs every policy on every cell (minutes per draw on two cores); a candidate for
 the default only needs its own runs, compared with the stored runs of the other policies. For
 each stored draw (``DIR/matrix.json``, or ``DIR/draw-N/matrix.json`` for several draws; either
-may be kept gzip-compressed as ``matrix.json.gz``), each ``--policy`` is run on the stored cells and judged by the default's bar (TTFT mean and p90
-within 5% of the best, throughput within 5%, none worse than the GIE default) against the
-stored policies *other than the stored default*, alone: candidates never compete with each
-other, and each is judged exactly as it would be were it the default. The stored default is
-judged the same way, as the reference row.
+may be kept gzip-compressed as ``matrix.json.gz``), each ``--policy`` is run on the stored
+cells and judged by the default's bar (TTFT mean and p90 within 5% of the best, throughput
+within 5%, none worse than the GIE default) against the stored policies *other than the stored
+default*, alone: candidates never compete with each other, and each is judged exactly as it
+would be were it the default. The stored default is judged the same way, as the reference row.
 
 Figures are compared at the stored precision (six decimals), as the matrix itself judges them
 (:func:`~kv_picker_bench.harness.matrix.run_matrix` rounds each run's figures so): a verdict

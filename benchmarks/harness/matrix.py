@@ -1055,8 +1055,8 @@ def _stored_total_wall(folder: Path, summed_s: float) -> float:
 def _rewrite_reports(args: argparse.Namespace) -> int:
     """``--report DIR``: a stored matrix's reports written again from its ``matrix.json``
     files (one, or one per ``draw-N/``; plain or gzip-compressed, each written back as it was)
-    by this version's report code. The figures are the
-    stored ones; the verdicts, tables and plots are recomputed from them."""
+    by this version's report code. The figures are the stored ones; the verdicts, tables and
+    plots are recomputed from them."""
     from kv_picker_bench.harness import against
 
     folder: Path = args.report
