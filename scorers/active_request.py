@@ -65,7 +65,14 @@ flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); 
 (0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
 with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
 ``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``);
-``cappedMatchIsWhole`` (false; needs ``cachedScale``).
+``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
+terms.
+
+``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
+``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
+taken over the loads so reduced. On a lightly loaded pool, where every endpoint holds less than
+that in flight, the scorer leaves the choice to the others (the prefix match, the latency
+estimate); past it, differences count as without it. Not set in the built-in default.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class ActiveRequestParams:
     promptScale: Annotated[float, NonNegative] = 0.0
     cachedScale: Annotated[float, NonNegative] = 0.0
     cappedMatchIsWhole: bool = False
+    freeLoad: Annotated[float, NonNegative] = 0.0
 
 
 class ActiveRequestScorer:
@@ -112,6 +120,7 @@ class ActiveRequestScorer:
         )
         self._idle = params.idleThreshold
         self._scale = params.fullScale
+        self._free = params.freeLoad
         self._hardware = ctx.hardware if params.perHardware else None
         if params.ownDecode and not params.perHardware:
             raise ValueError("ownDecode needs perHardware: true")
@@ -135,12 +144,16 @@ class ActiveRequestScorer:
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         in_flight = self._in_flight
         hardware = self._hardware
+        free = self._free
         if hardware is None:
-            span = self._span(request, candidates, max(in_flight[e.id] for e in candidates))
+            busiest = max(in_flight[e.id] for e in candidates)
+            span = self._span(request, candidates, max(0.0, busiest - free))
             idle = self._idle
             for i, endpoint in enumerate(candidates):
                 count = in_flight[endpoint.id]
-                out[i] = 1.0 if count <= idle else 1.0 - count / span
+                over = count - free
+                # over > 0 implies span >= busiest - free >= over > 0.
+                out[i] = 1.0 if count <= idle or over <= 0.0 else 1.0 - over / span
             return
         loads = self._loads
         loads.clear()
@@ -157,10 +170,11 @@ class ActiveRequestScorer:
         else:
             for endpoint in candidates:
                 loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
-        span = self._span(request, candidates, max(loads))
+        span = self._span(request, candidates, max(0.0, max(loads) - free))
         idle = self._idle
         for i, load in enumerate(loads):
-            out[i] = 1.0 if load <= idle else 1.0 - load / span
+            over = load - free
+            out[i] = 1.0 if load <= idle or over <= 0.0 else 1.0 - over / span
 
     def _span(self, request: LLMRequest, candidates: Sequence[Endpoint], busiest: float) -> float:
         """The load that counts in full: the busiest candidate's, or the damping scales."""

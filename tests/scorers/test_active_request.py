@@ -50,6 +50,38 @@ def test_full_scale_damps_differences_on_a_lightly_loaded_pool() -> None:
     assert scores(plain, 3, store) == pytest.approx([1.0, 0.5, 0.0])
 
 
+def test_free_load_weighs_nothing_and_the_rest_counts_as_before() -> None:
+    store = make_store(3)
+    params = decode(ActiveRequestParams, {"unit": "tokens", "freeLoad": 16384}, "parameters")
+    scorer = ActiveRequestScorer("a", params, make_context(store))
+    store.in_flight_tokens[:3] = [0, 8000, 16000]  # light: every endpoint under the allowance
+    assert scores(scorer, 3, store) == [1.0, 1.0, 1.0]
+    store.in_flight_tokens[:3] = [0, 26384, 36384]  # past it: 10,000 and 20,000 count
+    assert scores(scorer, 3, store) == pytest.approx([1.0, 0.5, 0.0])
+    plain = ActiveRequestScorer("a", ActiveRequestParams(unit="tokens"), make_context(store))
+    store.in_flight_tokens[:3] = [0, 8000, 16000]
+    assert scores(plain, 3, store) == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_free_load_on_a_mixed_pool_counts_after_the_decode_speed() -> None:
+    store = _classed_store(["H100", "L4"])
+    params = decode(
+        ActiveRequestParams,
+        {"unit": "tokens", "perHardware": True, "freeLoad": 5000},
+        "parameters",
+    )
+    scorer = ActiveRequestScorer("a", params, make_context(store))
+    store.in_flight_tokens[:2] = [4000, 400]  # type: ignore[attr-defined]
+    out = [0.0, 0.0]
+    scorer.score(make_request(), store.all(), out)  # type: ignore[attr-defined]
+    # The L4's 400 tokens weigh like 4,464 on an H100: both under the allowance.
+    assert out == [1.0, 1.0]
+    store.in_flight_tokens[:2] = [4000, 1000]  # type: ignore[attr-defined]
+    scorer.score(make_request(), store.all(), out)  # type: ignore[attr-defined]
+    # 11,161 H100-equivalent tokens: 6,161 past the allowance, the busiest.
+    assert out == pytest.approx([1.0, 0.0])
+
+
 def test_it_follows_the_directors_picks_and_releases() -> None:
     director = make_director(
         {
