@@ -231,6 +231,8 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
         ("queue-progress-1", "predicted-latency-scorer", "queueProgress", 0.0, 1.0),
         ("queue-progress-half", "predicted-latency-scorer", "queueProgress", 0.0, 0.5),
         ("capped-match", "active-request-scorer", "cappedMatchIsWhole", False, True),
+        ("free-load-8k", "active-request-scorer", "freeLoad", 0.0, 8192.0),
+        ("free-load-16k", "active-request-scorer", "freeLoad", 0.0, 16384.0),
     ],
 )
 def test_the_one_option_candidates_are_the_default_with_that_option(
