@@ -99,9 +99,12 @@ def test_it_follows_the_directors_picks_and_releases() -> None:
     assert min(director.store.in_flight[:2]) >= 0
 
 
-def test_negative_threshold_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="idleThreshold"):
-        decode(ActiveRequestParams, {"idleThreshold": -1}, "parameters")
+@pytest.mark.parametrize(
+    ("field", "value"), [("idleThreshold", -1), ("freeLoad", -1.0), ("freeLoad", "lots")]
+)
+def test_a_negative_or_non_numeric_allowance_is_a_config_error(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        decode(ActiveRequestParams, {field: value}, "parameters")
 
 
 @given(st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=8))
