@@ -16,6 +16,13 @@ picker saw at the holder (its prefix match, which stops at the prefix scorer's
 moves it voted for and its summed margin, and the moves where the picker saw less at the holder
 than the holder had.
 
+When the policy has a ``predicted-latency-scorer``, the report also says how far its estimate
+was from what happened: for every request, the TTFT it predicted at the endpoint picked (before
+the pick changed that endpoint's accounting) against the TTFT measured there, grouped by what
+the estimate stood on at the pick: a prefix match cut short by ``maxPrefixBlocksToMatch`` at the
+pick (the rest of the prompt counted as uncached, whatever the endpoint held), prefill of
+earlier requests queued there, or neither.
+
 The holder is the best of the endpoints the primary profile's scorers ranked (a filter may
 have removed others). The P/D cluster is not examined: there a request's prefill and decode go
 to two endpoints, picked by two profiles.
@@ -28,14 +35,18 @@ import json
 import math
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kv_picker.director import RoutedRequest
+from kv_picker.endpoint import Endpoint
 from kv_picker.errors import ConfigError
+from kv_picker.request import LLMRequest
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
+from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker_bench.harness.matrix import (
     CLUSTERS,
     DEFAULT_FAMILY_SEED,
@@ -81,6 +92,23 @@ class ScorerVotes:
 
 
 @dataclass(slots=True)
+class Calibration:
+    """The latency estimate against the TTFT measured, over one group of picks."""
+
+    group: str
+    requests: int
+    ratio_p10: float  # measured / predicted TTFT
+    ratio_median: float
+    ratio_p90: float
+    predicted_mean_s: float
+    measured_mean_s: float
+
+
+# The groups of picks, by what the estimate stood on at the pick (module docstring).
+CAPPED, QUEUED, NEITHER = "match capped at the pick", "prefill queued at the pick", "neither"
+
+
+@dataclass(slots=True)
 class MovesReport:
     policy: str
     cell: str
@@ -92,6 +120,7 @@ class MovesReport:
     votes: list[ScorerVotes] = field(default_factory=list)
     ttft_mean_moved_s: float = math.nan
     ttft_mean_other_s: float = math.nan
+    calibration: list[Calibration] = field(default_factory=list)
 
     @property
     def recomputed(self) -> int:
@@ -174,8 +203,25 @@ def find_moves(
     moves: list[Move] = []
     weights: dict[str, dict[str, float]] = {}
 
+    # request id -> (endpoint id -> the latency estimate there, and whether prefill was queued)
+    estimates: dict[int, dict[int, tuple[float, bool]]] = {}
+    # trace index -> (predicted TTFT at the pick, its group)
+    predicted: dict[int, tuple[float, str]] = {}
+
     def observe(request: TraceRequest, routed: RoutedRequest, held: list[int]) -> None:
         result = routed.result
+        estimate = estimates.pop(id(routed.request), {}).get(routed.endpoint.id)
+        if estimate is not None and result is not None:
+            match = (result.signals or {}).get(PREFIX_MATCH)
+            capped = (
+                isinstance(match, PrefixMatch)
+                and match.capped
+                and match.matched_blocks.get(routed.endpoint.id, 0) >= match.total_blocks
+            )
+            predicted[request.index] = (
+                estimate[0],
+                CAPPED if capped else QUEUED if estimate[1] else NEITHER,
+            )
         if result is None or not held:
             return
         primary = result.primary
@@ -216,6 +262,10 @@ def find_moves(
         trace, config, run.config(harness_registry()), harness_registry(), run.name, seed,
         needs_prompt=run.needs_prompt, on_route=observe,
     )  # fmt: skip
+    store = simulator.store
+    for plugin in simulator.scheduler.plugins.values():
+        if isinstance(plugin, PredictedLatencyScorer):
+            plugin.score = _recording(plugin, store, estimates)  # type: ignore[method-assign,assignment]
     result = simulator.run()
     ttft = {o.index: o.ttft_s for o in result.outcomes if o.status == OK}
     moved = {m.index for m in moves}
@@ -239,6 +289,7 @@ def find_moves(
                 vote.for_move += 1
             vote.margin_sum += margin
     report.votes = [v for v in votes.values() if any(v.scorer in m.margins for m in moves)]
+    report.calibration = _calibration(predicted, ttft)
     moved_ttft = [t for i, t in ttft.items() if i in moved]
     other_ttft = [t for i, t in ttft.items() if i not in moved]
     if moved_ttft:
@@ -248,8 +299,82 @@ def find_moves(
     return report
 
 
+def _recording(
+    scorer: PredictedLatencyScorer,
+    store: EndpointStore,
+    estimates: dict[int, dict[int, tuple[float, bool]]],
+) -> Callable[[LLMRequest, Sequence[Endpoint], list[float]], None]:
+    """``scorer.score`` that first keeps its estimate at every candidate, as it stands before
+    the pick, for the report (the P/D cluster is not examined, so one profile scores)."""
+    score = scorer.score
+
+    def recording(request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        estimates[id(request)] = {
+            e.id: (scorer.predict_ttft_s(request, e), store.prefill_tokens[e.id] > 0)
+            for e in candidates
+        }
+        score(request, candidates, out)
+
+    return recording
+
+
+def _calibration(
+    predicted: dict[int, tuple[float, str]], ttft: dict[int, float]
+) -> list[Calibration]:
+    groups: dict[str, list[tuple[float, float]]] = {CAPPED: [], QUEUED: [], NEITHER: []}
+    for index, (estimate, group) in predicted.items():
+        measured = ttft.get(index)
+        if measured is not None and estimate > 0:
+            groups[group].append((estimate, measured))
+    out = []
+    for group, pairs in groups.items():
+        if not pairs:
+            continue
+        ratios = sorted(m / e for e, m in pairs)
+        out.append(
+            Calibration(
+                group,
+                len(pairs),
+                _quantile(ratios, 0.1),
+                _quantile(ratios, 0.5),
+                _quantile(ratios, 0.9),
+                sum(e for e, _ in pairs) / len(pairs),
+                sum(m for _, m in pairs) / len(pairs),
+            )
+        )
+    return out
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks of a sorted, non-empty list."""
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 def _tokens(value: float) -> str:
     return "–" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _biggest(biggest: list[Move], scorers: list[str]) -> list[str]:
+    lines = [
+        "",
+        f"The {len(biggest)} largest moves by tokens recomputed (endpoints by index):",
+        "",
+        "| request | arrival s | prompt | holder: held / seen | pick: held | recomputed | TTFT s | "
+        + " | ".join(scorers)
+        + " |",
+        "|---:|---:|---:|---|---|---:|---:|" + "---:|" * len(scorers),
+    ]
+    for m in biggest:
+        cells = [f"{m.margins[s]:+.2f}" if s in m.margins else "–" for s in scorers]
+        lines.append(
+            f"| {m.index} | {m.arrival_s:.2f} | {m.prompt_tokens:,} | {m.holder}: "
+            f"{m.holder_tokens:,} / {_tokens(m.seen_at_holder)} | {m.pick}: {m.pick_tokens:,} | "
+            f"{m.recomputed:,} | {m.ttft_s:.2f} | " + " | ".join(cells) + " |"
+        )
+    return lines
 
 
 def markdown(report: MovesReport, command: str, top: int) -> str:
@@ -281,22 +406,26 @@ def markdown(report: MovesReport, command: str, top: int) -> str:
         )
     scorers = [v.scorer for v in report.votes]
     biggest = sorted(report.moves, key=lambda m: -m.recomputed)[:top]
-    lines += [
-        "",
-        f"The {len(biggest)} largest moves by tokens recomputed (endpoints by index):",
-        "",
-        "| request | arrival s | prompt | holder: held / seen | pick: held | recomputed | TTFT s | "
-        + " | ".join(scorers)
-        + " |",
-        "|---:|---:|---:|---|---|---:|---:|" + "---:|" * len(scorers),
-    ]
-    for m in biggest:
-        cells = [f"{m.margins[s]:+.2f}" if s in m.margins else "–" for s in scorers]
-        lines.append(
-            f"| {m.index} | {m.arrival_s:.2f} | {m.prompt_tokens:,} | {m.holder}: "
-            f"{m.holder_tokens:,} / {_tokens(m.seen_at_holder)} | {m.pick}: {m.pick_tokens:,} | "
-            f"{m.recomputed:,} | {m.ttft_s:.2f} | " + " | ".join(cells) + " |"
-        )
+    if biggest:
+        lines += _biggest(biggest, scorers)
+    if report.calibration:
+        lines += [
+            "",
+            "The latency estimate against what happened: for every request, the TTFT "
+            "`predicted-latency-scorer` predicted at the endpoint picked (before the pick) and "
+            "the TTFT measured there, grouped by what the estimate stood on at the pick (a prefix "
+            "match cut short by `maxPrefixBlocksToMatch` counts the rest of the prompt as "
+            "uncached there):",
+            "",
+            "| at the pick | requests | measured ÷ predicted: p10 / median / p90 | "
+            "predicted mean s | measured mean s |",
+            "|---|---:|---|---:|---:|",
+        ]
+        for c in report.calibration:
+            lines.append(
+                f"| {c.group} | {c.requests} | {c.ratio_p10:.2f} / {c.ratio_median:.2f} / "
+                f"{c.ratio_p90:.2f} | {c.predicted_mean_s:.3f} | {c.measured_mean_s:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

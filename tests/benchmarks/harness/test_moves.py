@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kv_picker.errors import ConfigError
-from kv_picker_bench.harness.moves import find_moves, main, parse_cell
+from kv_picker_bench.harness.moves import find_moves, main, markdown, parse_cell
 from kv_picker_bench.harness.policies import resolve_policy
 
 CELL = "long-doc-qa/0.3/small4/llama-3.1-8b-h100"
@@ -68,6 +68,49 @@ def test_a_short_prefix_match_shows_as_moves_the_picker_could_not_see(tmp_path: 
     assert report.moves
     assert all(m.seen_at_holder < m.holder_tokens for m in report.moves)
     assert report.unseen == len(report.moves)
+
+
+def test_the_latency_estimate_is_set_against_the_ttft_measured_at_each_pick(
+    tmp_path: Path,
+) -> None:
+    # The estimate counts a prompt's blocks past the match limit as uncached: with a 4-block
+    # limit, a question whose whole document is cached at the pick is predicted as a prefill of
+    # the document, and measured as a short one.
+    blind = _policy(
+        tmp_path,
+        "blind",
+        {
+            "plugins": [
+                {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 4}},
+                {"type": "predicted-latency-scorer"},
+                {"type": "max-score-picker"},
+            ]
+        },
+    )
+    report = find_moves(CELL, resolve_policy(blind), min_tokens=4096, quick=True)
+    groups = {c.group: c for c in report.calibration}
+    assert sum(c.requests for c in report.calibration) == report.requests
+    capped = groups["match capped at the pick"]
+    assert capped.requests > 0
+    assert capped.ratio_median < 0.5
+    assert capped.measured_mean_s < capped.predicted_mean_s
+    for c in report.calibration:
+        assert 0 < c.ratio_p10 <= c.ratio_median <= c.ratio_p90
+    # Matching the default's 2,048 blocks, the same cell's documents are seen whole.
+    default = find_moves(CELL, resolve_policy("kv-picker"), min_tokens=4096, quick=True)
+    seen = {c.group: c.requests for c in default.calibration}
+    assert seen.get("match capped at the pick", 0) < capped.requests
+    text = markdown(default, "kv-picker bench moves ...", 3)
+    assert "| match capped at the pick |" in text or "| neither |" in text
+    # A policy without the estimate has nothing to set against.
+    spread = _policy(
+        tmp_path,
+        "spread",
+        {"plugins": [{"type": "active-request-scorer"}, {"type": "max-score-picker"}]},
+    )
+    bare = find_moves(CELL, resolve_policy(spread), min_tokens=4096, quick=True)
+    assert bare.calibration == []
+    assert "The latency estimate against" not in markdown(bare, "kv-picker bench moves ...", 3)
 
 
 def test_the_command_writes_its_report_and_refuses_bad_input(
