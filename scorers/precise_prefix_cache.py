@@ -38,7 +38,9 @@ Parameters (defaults): ``tokenizer`` (required): the model directory holding
 ``tokenizer.json`` (and ``tokenizer_config.json`` with the chat template), or the file;
 ``maxPrefixBlocksToMatch`` (256; 0 = unlimited); ``tokenizeInlineMaxChars`` (8192; longer
 prompts go to the thread pool); ``speculativeTTL`` (2s; 0 = count only what events report;
-``speculativeTtlSeconds`` accepted).
+``speculativeTtlSeconds`` accepted); ``cappedMatchIsWhole`` (false): as for
+``prefix-cache-scorer``, an endpoint matching every block looked up, with prompt past the
+limit, is published as holding the whole prompt.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class PrecisePrefixCacheParams:
     speculativeTTL: Annotated[Duration, NonNegative] = field(
         default=2.0, metadata=aliases("speculativeTtlSeconds")
     )
+    cappedMatchIsWhole: bool = False
 
     def validate(self) -> None:
         if not self.tokenizer:
@@ -208,7 +211,8 @@ class PrecisePrefixCacheScorer:
         # Past the limit the prompt's length is the tokenizer's count, or its characters / 4.
         capped = bool(self.max_blocks) and total == self.max_blocks
         capped = capped and prompt_tokens(request) >= (total + 1) * block
-        request.state[PREFIX_MATCH] = PrefixMatch(block, total, matched, capped)
+        whole = prompt_tokens(request) if capped and self.params.cappedMatchIsWhole else 0.0
+        request.state[PREFIX_MATCH] = PrefixMatch(block, total, matched, capped, whole)
         if not total:
             return
         runs = self._runs

@@ -22,7 +22,14 @@ Parameters (defaults): ``blockSizeChars`` (64, about 16 tokens of English text, 
 block; upstream name ``hashBlockSize`` accepted), ``maxPrefixBlocksToMatch`` (256; 0 =
 unlimited; longer prompts are matched on their head), ``lruCapacityPerServer`` (31250 blocks
 per endpoint). ``mode: precise`` is the deprecated spelling of ``precise-prefix-cache-scorer``
-(accepted with a warning).
+(accepted with a warning). ``cappedMatchIsWhole`` (false): when the prompt goes on past
+``maxPrefixBlocksToMatch`` blocks, an endpoint matching every block looked up is published as
+holding the whole prompt (its score here is 1 either way). Every reader of the match then sees
+it so: the latency estimate, the in-flight scorer's ``cachedScale``, the director's count of
+the prefill queued at the pick, the P/D decision. Without it they count the rest of a long
+cached context as uncached there, and `kv-picker bench moves` measured the latency estimate
+3-25 times too high at such picks on the routing matrix, where the simulated caches held a
+median 95-100% of those prompts (``benchmarks/RESULTS.md`` section 1).
 """
 
 from __future__ import annotations
@@ -39,7 +46,12 @@ from kv_picker.scheduling.framework import (
     PluginGauge,
     SchedulingResult,
 )
-from kv_picker.scheduling.signals import DEFAULT_CHARS_PER_TOKEN, PREFIX_MATCH, PrefixMatch
+from kv_picker.scheduling.signals import (
+    DEFAULT_CHARS_PER_TOKEN,
+    PREFIX_MATCH,
+    PrefixMatch,
+    prompt_tokens,
+)
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.hashing import chain_keys, chain_root
 from kv_picker.state.prefix_runs import mask_of
@@ -59,6 +71,7 @@ class PrefixCacheParams:
     maxPrefixBlocksToMatch: Annotated[int, NonNegative] = 256
     lruCapacityPerServer: Annotated[int, Range(ge=1)] = 31250
     mode: Literal["approximate", "precise"] = "approximate"
+    cappedMatchIsWhole: bool = False
 
 
 class PrefixCacheScorer:
@@ -108,11 +121,13 @@ class PrefixCacheScorer:
         total = len(keys)
         matched: dict[int, int] = {}
         # Shared with the P/D handler and the latency scorer: how much each endpoint holds.
+        capped = request.state.get(_CAPPED_STATE, False)
         request.state[PREFIX_MATCH] = PrefixMatch(
             self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN,
             total,
             matched,
-            request.state.get(_CAPPED_STATE, False),
+            capped,
+            prompt_tokens(request) if capped and self.params.cappedMatchIsWhole else 0.0,
         )
         runs = self._runs
         if not self.index.runs(keys, mask_of(candidates), runs):

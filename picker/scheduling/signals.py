@@ -29,15 +29,24 @@ class PrefixMatch:
         capped: the prompt has full blocks past ``total_blocks`` that the scorer's
             ``maxPrefixBlocksToMatch`` left unhashed, so a match of all ``total_blocks`` says
             nothing about the rest.
+        whole_tokens: when above 0 (the scorer's ``cappedMatchIsWhole``) and ``capped``, an
+            endpoint matching all ``total_blocks`` counts as holding this many tokens (the
+            whole prompt) rather than the blocks looked up: a context cached that far is
+            usually cached whole.
     """
 
     block_tokens: float
     total_blocks: int
     matched_blocks: dict[int, int] = field(default_factory=dict)
     capped: bool = False
+    whole_tokens: float = 0.0
 
     def cached_tokens(self, endpoint_id: int) -> float:
-        return self.matched_blocks.get(endpoint_id, 0) * self.block_tokens
+        blocks = self.matched_blocks.get(endpoint_id, 0)
+        if self.whole_tokens and self.capped and blocks >= self.total_blocks:
+            # The prompt's length may be an estimate (characters / 4): never below the match.
+            return max(self.whole_tokens, blocks * self.block_tokens)
+        return blocks * self.block_tokens
 
 
 def prompt_tokens(request: LLMRequest, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> float:

@@ -27,7 +27,7 @@ from kv_picker.plugins import builtin_registry
 from kv_picker.request import LLMRequest, Prompt
 from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.scheduler import Scheduler
-from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS
+from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, cached_tokens
 from kv_picker.scorers.precise_prefix_cache import (
     PrecisePrefixCacheParams,
     PrecisePrefixCacheScorer,
@@ -237,6 +237,22 @@ async def test_long_prompts_are_tokenized_on_a_thread_pool() -> None:
     scores(scorer, short, store.all())
     assert not short.state[PREFIX_MATCH].capped
     assert TOKENIZED.encode(long_prompt, max_tokens=4096) == tokens[:4096]
+
+
+def test_capped_match_is_whole_counts_the_tokenized_prompt_as_held() -> None:
+    store = make_store(2)
+    index = KVBlockIndex(EventKeys())
+    long_prompt = PROMPT * 40
+    tokens = TOKENIZED.encode(long_prompt)
+    store_blocks(index, 0, tokens[: 16 * 300])
+    # Only the head is tokenized, so the whole prompt's length is its characters / 4.
+    for whole, held in ((False, 256 * 16), (True, len(long_prompt) / 4)):
+        scorer = precise_scorer(store, index, cappedMatchIsWhole=whole)
+        request = request_for({"model": "m", "prompt": long_prompt})
+        assert scores(scorer, request, store.all()) == [1.0, 0.0]
+        assert request.state[PREFIX_MATCH].capped
+        assert cached_tokens(request, store.all()[0].id) == held
+        assert cached_tokens(request, store.all()[1].id) == 0.0
 
 
 def test_tokenizer_loading_and_template_errors(tmp_path: Path) -> None:

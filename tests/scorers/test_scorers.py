@@ -3,7 +3,12 @@ from collections import Counter
 import pytest
 
 from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
-from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
+from kv_picker.scheduling.signals import (
+    PREFIX_MATCH,
+    PrefixMatch,
+    cached_tokens,
+    uncached_prompt_tokens,
+)
 from kv_picker.scorers.kv_cache_utilization import (
     KVCacheUtilizationParams,
     KVCacheUtilizationScorer,
@@ -156,6 +161,36 @@ def test_prefix_match_says_when_the_prompt_goes_on_past_the_blocks_looked_up(
     assert isinstance(match, PrefixMatch)
     assert match.total_blocks == min(4, chars // 10)
     assert match.capped is capped
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_capped_match_is_whole_publishes_a_full_capped_match_as_the_whole_prompt(
+    whole: bool,
+) -> None:
+    """Looking up at most 4 blocks of 10 characters (2.5 tokens each at 4 characters a token),
+    an endpoint holding a 500-character prompt matches all 4; with ``cappedMatchIsWhole`` every
+    reader of the match sees it holding all 125 tokens, while a shorter match, or a prompt that
+    ends within the limit, counts block by block either way."""
+    store = make_store(3)
+    params = PrefixCacheParams(
+        blockSizeChars=10, maxPrefixBlocksToMatch=4, cappedMatchIsWhole=whole
+    )
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    endpoints = store.all()
+    for target, text in ((endpoints[1], "a" * 500), (endpoints[2], "a" * 20 + "z" * 480)):
+        held = make_request(text)
+        scores(scorer, store, held)
+        scorer.on_pick(
+            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
+        )
+    request = make_request("a" * 500)
+    assert scores(scorer, store, request) == [0.0, 1.0, 0.5]  # the score does not change
+    held_tokens = [cached_tokens(request, e.id) for e in endpoints]
+    assert held_tokens == [0.0, 125.0 if whole else 10.0, 5.0]
+    assert uncached_prompt_tokens(request, endpoints[1].id) == (0.0 if whole else 115.0)
+    short = make_request("a" * 40)  # 4 blocks and nothing past them: not capped
+    scores(scorer, store, short)
+    assert cached_tokens(short, endpoints[1].id) == 10.0
 
 
 def test_removed_endpoint_leaves_the_prefix_index() -> None:

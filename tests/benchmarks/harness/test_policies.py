@@ -235,6 +235,7 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
         ("free-load-16k", "active-request-scorer", "freeLoad", 0.0, 16384.0),
         ("cached-scale-8", "active-request-scorer", "cachedScale", 2.0, 8.0),
         ("cached-scale-16", "active-request-scorer", "cachedScale", 2.0, 16.0),
+        ("capped-whole", "prefix-cache-scorer", "cappedMatchIsWhole", False, True),
     ],
 )
 def test_the_one_option_candidates_are_the_default_with_that_option(
