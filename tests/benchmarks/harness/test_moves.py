@@ -21,6 +21,16 @@ def _policy(tmp_path: Path, name: str, document: dict[str, object]) -> str:
     return f"{name}={path}"
 
 
+def _blind(tmp_path: Path, scorer: str) -> str:
+    """A policy matching 4 prefix blocks, then ``scorer``."""
+    plugins = [
+        {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 4}},
+        {"type": scorer},
+        {"type": "max-score-picker"},
+    ]
+    return _policy(tmp_path, "blind", {"plugins": plugins})
+
+
 def test_a_spreading_policy_moves_requests_off_their_documents_and_the_default_fewer(
     tmp_path: Path,
 ) -> None:
@@ -53,17 +63,7 @@ def test_a_spreading_policy_moves_requests_off_their_documents_and_the_default_f
 
 def test_a_short_prefix_match_shows_as_moves_the_picker_could_not_see(tmp_path: Path) -> None:
     # Matching 4 blocks (about 64 tokens), the picker sees almost nothing of a document it holds.
-    blind = _policy(
-        tmp_path,
-        "blind",
-        {
-            "plugins": [
-                {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 4}},
-                {"type": "active-request-scorer"},
-                {"type": "max-score-picker"},
-            ]
-        },
-    )
+    blind = _blind(tmp_path, "active-request-scorer")
     report = find_moves(CELL, resolve_policy(blind), min_tokens=4096, quick=True)
     assert report.moves
     assert all(m.seen_at_holder < m.holder_tokens for m in report.moves)
@@ -76,17 +76,7 @@ def test_the_latency_estimate_is_set_against_the_ttft_measured_at_each_pick(
     # The estimate counts a prompt's blocks past the match limit as uncached: with a 4-block
     # limit, a question whose whole document is cached at the pick is predicted as a prefill of
     # the document, and measured as a short one.
-    blind = _policy(
-        tmp_path,
-        "blind",
-        {
-            "plugins": [
-                {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 4}},
-                {"type": "predicted-latency-scorer"},
-                {"type": "max-score-picker"},
-            ]
-        },
-    )
+    blind = _blind(tmp_path, "predicted-latency-scorer")
     report = find_moves(CELL, resolve_policy(blind), min_tokens=4096, quick=True)
     groups = {c.group: c for c in report.calibration}
     assert sum(c.requests for c in report.calibration) == report.requests
