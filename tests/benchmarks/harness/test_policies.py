@@ -252,6 +252,19 @@ def test_the_one_option_candidates_are_the_default_with_that_option(
     assert replace(after, **{option: off}) == before
 
 
+@pytest.mark.parametrize("tokens", [4, 16])
+def test_the_capped_whole_decode_candidates_add_decode_tokens_to_capped_whole(tokens: int) -> None:
+    # results/candidates/capped-whole-decode/ judges each as capped-whole.yaml plus decodeTokens.
+    profiles, plugins = _parsed(f"q={PROFILES / f'capped-whole-decode-{tokens}.yaml'}")
+    base_profiles, base_plugins = _parsed(f"c={PROFILES / 'capped-whole.yaml'}")
+    assert profiles == base_profiles
+    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
+    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
+    (_, _, before), (_, _, after) = changed[0]
+    assert (before.decodeTokens, after.decodeTokens) == (0, tokens)
+    assert replace(after, decodeTokens=0) == before
+
+
 def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:
     # results/candidates/calibrated-70b/ measures what the default's 8B constants cost on the
     # 70B cells, measured when the default was prompt-scale.yaml: the file must be that default
