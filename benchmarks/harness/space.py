@@ -80,7 +80,9 @@ DEFAULT_SPACE = """\
 # request would recompute, its promptScale in proportion to the request's size; its ownDecode matters on mixed hardware only;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts; prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
-# latency estimate see long cached documents whole, which keeps their questions with them).
+# latency estimate see long cached documents whole, which keeps their questions with them, and
+# its cappedMatchIsWhole does so without hashing further, counting a match that reached the limit
+# as the whole prompt).
 # predicted-latency-scorer's prefillTokensPerSecond is left out on purpose: when
 # the picker sent all the queued work itself, as in a replay, the rate cancels out of its
 # ranking.
@@ -99,6 +101,7 @@ dimensions:
 - plugin: prefix-cache-scorer
   parameter: maxPrefixBlocksToMatch
   choices: [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+- {plugin: prefix-cache-scorer, parameter: cappedMatchIsWhole, choices: [false, true]}
 - {plugin: predicted-latency-scorer, parameter: queuedRequestSeconds, low: 0.01, high: 1.0,
    log: true}
 - {plugin: predicted-latency-scorer, parameter: decodeTokens, choices: [0, 4, 16, 64, 256]}
