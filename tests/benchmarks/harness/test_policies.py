@@ -226,43 +226,42 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "plugin", "option", "off", "on"),
+    ("name", "base", "plugin", "option", "off", "on"),
     [
-        ("queue-progress-1", "predicted-latency-scorer", "queueProgress", 0.0, 1.0),
-        ("queue-progress-half", "predicted-latency-scorer", "queueProgress", 0.0, 0.5),
-        ("capped-match", "active-request-scorer", "cappedMatchIsWhole", False, True),
-        ("free-load-8k", "active-request-scorer", "freeLoad", 0.0, 8192.0),
-        ("free-load-16k", "active-request-scorer", "freeLoad", 0.0, 16384.0),
-        ("cached-scale-8", "active-request-scorer", "cachedScale", 2.0, 8.0),
-        ("cached-scale-16", "active-request-scorer", "cachedScale", 2.0, 16.0),
-        ("capped-whole", "prefix-cache-scorer", "cappedMatchIsWhole", False, True),
+        ("queue-progress-1", "kv-picker", "predicted-latency-scorer", "queueProgress", 0.0, 1.0),
+        ("queue-progress-half", "kv-picker", "predicted-latency-scorer", "queueProgress", 0.0, 0.5),
+        ("capped-match", "kv-picker", "active-request-scorer", "cappedMatchIsWhole", False, True),
+        ("free-load-8k", "kv-picker", "active-request-scorer", "freeLoad", 0.0, 8192.0),
+        ("free-load-16k", "kv-picker", "active-request-scorer", "freeLoad", 0.0, 16384.0),
+        ("cached-scale-8", "kv-picker", "active-request-scorer", "cachedScale", 2.0, 8.0),
+        ("cached-scale-16", "kv-picker", "active-request-scorer", "cachedScale", 2.0, 16.0),
+        ("capped-whole", "kv-picker", "prefix-cache-scorer", "cappedMatchIsWhole", False, True),
+        ("capped-whole-decode-4", "capped-whole", "predicted-latency-scorer", "decodeTokens", 0, 4),
+        (
+            "capped-whole-decode-16",
+            "capped-whole",
+            "predicted-latency-scorer",
+            "decodeTokens",
+            0,
+            16,
+        ),
     ],
 )
-def test_the_one_option_candidates_are_the_default_with_that_option(
-    name: str, plugin: str, option: str, off: object, on: object
+def test_the_one_option_candidates_are_their_base_with_that_option(
+    name: str, base: str, plugin: str, option: str, off: object, on: object
 ) -> None:
-    # results/candidates/<name>/ judges each as the default plus that one option.
+    # results/candidates/<name>/ judges each as its base (the default, or a profile of
+    # benchmarks/profiles/) plus that one option.
     profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
-    default_profiles, default_plugins = _parsed("kv-picker")
-    assert profiles == default_profiles
-    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
+    base_profiles, base_plugins = _parsed(
+        base if base == "kv-picker" else f"b={PROFILES / (base + '.yaml')}"
+    )
+    assert profiles == base_profiles
+    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
     assert [a[1] for a, _ in changed] == [plugin]
     (_, _, before), (_, _, after) = changed[0]
     assert (getattr(before, option), getattr(after, option)) == (off, on)
     assert replace(after, **{option: off}) == before
-
-
-@pytest.mark.parametrize("tokens", [4, 16])
-def test_the_capped_whole_decode_candidates_add_decode_tokens_to_capped_whole(tokens: int) -> None:
-    # results/candidates/capped-whole-decode/ judges each as capped-whole.yaml plus decodeTokens.
-    profiles, plugins = _parsed(f"q={PROFILES / f'capped-whole-decode-{tokens}.yaml'}")
-    base_profiles, base_plugins = _parsed(f"c={PROFILES / 'capped-whole.yaml'}")
-    assert profiles == base_profiles
-    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
-    (_, _, before), (_, _, after) = changed[0]
-    assert (before.decodeTokens, after.decodeTokens) == (0, tokens)
-    assert replace(after, decodeTokens=0) == before
 
 
 def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:
