@@ -24,8 +24,10 @@ pick (the rest of the prompt counted as uncached, whatever the endpoint held), p
 earlier requests queued there, or neither.
 
 The holder is the best of the endpoints the primary profile's scorers ranked (a filter may
-have removed others). The P/D cluster is not examined: there a request's prefill and decode go
-to two endpoints, picked by two profiles.
+have removed others). On the P/D pool the policy runs under the P/D profile handler, as in the
+matrix: the pick is the decode endpoint (the primary profile's), the holder the decode endpoint
+holding the most, the latency estimate the decode profile's at the pick, and the report also
+counts the requests the handler sent through the prefill pool.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class MovesReport:
     ttft_mean_moved_s: float = math.nan
     ttft_mean_other_s: float = math.nan
     calibration: list[Calibration] = field(default_factory=list)
+    disaggregated: int | None = None  # on the P/D pool: requests prefilled on the prefill pool
 
     @property
     def recomputed(self) -> int:
@@ -159,10 +162,11 @@ def parse_cell(text: str) -> tuple[str, float, str, str]:
         load = math.nan
     if not (math.isfinite(load) and load > 0):
         raise ConfigError(f"cell {text!r}: the load must be a positive number, not {load_text!r}")
-    if CLUSTERS[cluster].pd:
+    if CLUSTERS[cluster].pd and not FAMILIES[family].long_prompts:
+        long = ", ".join(name for name, f in FAMILIES.items() if f.long_prompts)
         raise ConfigError(
-            f"cell {text!r}: the pd cluster is not examined (a request's prefill and decode go "
-            "to two endpoints, picked by two profiles); use h100x16, mixed or small4"
+            f"cell {text!r}: the matrix has no pd cell for {family} (its prompts are too short "
+            f"to disaggregate); pd cells: {long}"
         )
     return family, load, cluster, timing
 
@@ -197,7 +201,9 @@ def find_moves(
         [family], [load], [cluster], [timing], [policy], quick, cluster_overrides(responses), draw
     )
     cell = plan.cells[0]
-    run = policy
+    # On the P/D pool the matrix runs the policy under the P/D profile handler.
+    pd = CLUSTERS[cluster].pd
+    run = plan.pd_policies[0] if pd else policy
     trace, config = plan.traces[cell], plan.configs[cell]
     block = config.block_size
     moves: list[Move] = []
@@ -208,7 +214,12 @@ def find_moves(
     # trace index -> (predicted TTFT at the pick, its group)
     predicted: dict[int, tuple[float, str]] = {}
 
+    disaggregated = 0
+
     def observe(request: TraceRequest, routed: RoutedRequest, held: list[int]) -> None:
+        nonlocal disaggregated
+        if routed.prefill_endpoint is not None:
+            disaggregated += 1
         result = routed.result
         estimate = estimates.pop(id(routed.request), {}).get(routed.endpoint.id)
         if estimate is not None and result is not None:
@@ -279,6 +290,7 @@ def find_moves(
         len(result.outcomes),
         sum(o.prompt_tokens - o.cached_tokens for o in result.outcomes if o.status == OK),
         moves,
+        disaggregated=disaggregated if pd else None,
     )
     profile_weights = next(iter(weights.values()), _weights(run, "default"))
     votes = {name: ScorerVotes(name, w) for name, w in profile_weights.items()}
@@ -305,14 +317,15 @@ def _recording(
     estimates: dict[int, dict[int, tuple[float, bool]]],
 ) -> Callable[[LLMRequest, Sequence[Endpoint], list[float]], None]:
     """``scorer.score`` that first keeps its estimate at every candidate, as it stands before
-    the pick, for the report (the P/D cluster is not examined, so one profile scores)."""
+    the pick, for the report."""
     score = scorer.score
 
     def recording(request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
-        estimates[id(request)] = {
-            e.id: (scorer.predict_ttft_s(request, e), store.prefill_tokens[e.id] > 0)
+        # Under P/D both profiles score the request, each over its own pool: keep both.
+        estimates.setdefault(id(request), {}).update(
+            (e.id, (scorer.predict_ttft_s(request, e), store.prefill_tokens[e.id] > 0))
             for e in candidates
-        }
+        )
         score(request, candidates, out)
 
     return recording
@@ -391,7 +404,14 @@ def markdown(report: MovesReport, command: str, top: int) -> str:
         f"{report.ttft_mean_moved_s:.2f} s, of the others {report.ttft_mean_other_s:.2f} s.",
         "",
         f"In {report.unseen} of the moves the picker's prefix match saw less at the holder than "
-        "the holder had (its match stops at `maxPrefixBlocksToMatch`, or the index lagged).",
+        "the holder had (its match stops at `maxPrefixBlocksToMatch`, or the index lagged)."
+        + (
+            ""
+            if report.disaggregated is None
+            else f" P/D: {report.disaggregated} of the {report.requests} requests were prefilled "
+            "on the prefill pool; the picks and holders here are decode endpoints, and a move of "
+            "such a request receives its tokens from the prefill pool rather than computing them."
+        ),
         "",
         "Each scorer's vote: its weighted score at the pick minus at the holder, summed over the "
         "moves; *for the move* counts the moves where that difference is positive.",

@@ -121,13 +121,27 @@ def test_the_command_writes_its_report_and_refuses_bad_input(
         (["long-doc-qa/0.3/small4/gpt"], "unknown timing profile 'gpt'"),
         (["long-doc-qa/-1/small4/llama-3.1-8b-h100"], "the load must be a positive number"),
         (["long-doc-qa/nan/small4/llama-3.1-8b-h100"], "the load must be a positive number"),
-        (["long-doc-qa/0.3/pd/llama-3.1-8b-h100"], "the pd cluster is not examined"),
+        (["chat/0.3/pd/llama-3.1-8b-h100"], "the matrix has no pd cell for chat"),
         ([CELL, "--min-tokens", "0"], "--min-tokens must be at least 1"),
         ([CELL, "--top", "-1"], "--top must be at least 0"),
         ([CELL, "--policy", "no-such-policy"], "not a baseline"),
     ):
         assert main([*argv, "--quick"]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_the_pd_pool_is_examined_under_the_pd_handler_at_its_decode_endpoints() -> None:
+    report = find_moves("long-doc-qa/0.9/pd/llama-3.1-8b-h100", resolve_policy("kv-picker"),
+                        min_tokens=1024, quick=True)  # fmt: skip
+    assert report.disaggregated is not None
+    assert 0 < report.disaggregated <= report.requests
+    # The scorers voting are the decode profile's (the primary one under the P/D handler).
+    assert report.votes and all(v.scorer.startswith("decode-") for v in report.votes)
+    assert sum(c.requests for c in report.calibration) == report.requests
+    text = markdown(report, "kv-picker bench moves ...", 3)
+    assert f"P/D: {report.disaggregated} of the {report.requests} requests" in text
+    single = find_moves(CELL, resolve_policy("kv-picker"), min_tokens=4096, quick=True)
+    assert single.disaggregated is None and "P/D:" not in markdown(single, "...", 3)
 
 
 def test_cells_are_read_as_the_matrix_writes_them() -> None:
