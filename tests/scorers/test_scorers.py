@@ -2,6 +2,8 @@ from collections import Counter
 
 import pytest
 
+from kv_picker.decode import decode
+from kv_picker.errors import ConfigError
 from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import (
     PREFIX_MATCH,
@@ -191,6 +193,12 @@ def test_capped_match_is_whole_publishes_a_full_capped_match_as_the_whole_prompt
     short = make_request("a" * 40)  # 4 blocks and nothing past them: not capped
     scores(scorer, store, short)
     assert cached_tokens(short, endpoints[1].id) == 10.0
+
+
+@pytest.mark.parametrize("value", ["maybe", 1, None])
+def test_capped_match_is_whole_takes_only_a_boolean(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"parameters\.cappedMatchIsWhole: expected true/false"):
+        decode(PrefixCacheParams, {"cappedMatchIsWhole": value}, "parameters")
 
 
 def test_removed_endpoint_leaves_the_prefix_index() -> None:
