@@ -49,6 +49,7 @@ from kv_picker.request import LLMRequest
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
 from kv_picker.state.endpoints import EndpointStore
+from kv_picker_bench.client import percentile
 from kv_picker_bench.harness.matrix import (
     CLUSTERS,
     DEFAULT_FAMILY_SEED,
@@ -343,27 +344,19 @@ def _calibration(
     for group, pairs in groups.items():
         if not pairs:
             continue
-        ratios = sorted(m / e for e, m in pairs)
+        ratios = [m / e for e, m in pairs]
         out.append(
             Calibration(
                 group,
                 len(pairs),
-                _quantile(ratios, 0.1),
-                _quantile(ratios, 0.5),
-                _quantile(ratios, 0.9),
+                percentile(ratios, 0.1),
+                percentile(ratios, 0.5),
+                percentile(ratios, 0.9),
                 sum(e for e, _ in pairs) / len(pairs),
                 sum(m for _, m in pairs) / len(pairs),
             )
         )
     return out
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks of a sorted, non-empty list."""
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _tokens(value: float) -> str:

@@ -150,6 +150,16 @@ def test_other_traces_than_the_stored_ones_are_refused(
     assert "this run would replay" in capsys.readouterr().err
 
 
+def _refused_naming(folder: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--against folder`` exits 2 naming ``name`` as not a stored matrix, writing nothing."""
+    code = matrix.main([*SMALL, "--family-seed", "1", "--against", str(folder), "--policy",
+                        "least-queue", "--out", str(folder / "out")])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "is not a stored matrix" in err and name in err
+    assert not (folder / "out" / "against.json").exists()
+
+
 @pytest.mark.parametrize(
     "content",
     ["{not json", "[]", '{"cells": [], "families": {}}',
@@ -161,12 +171,7 @@ def test_a_stored_matrix_that_is_not_one_is_refused_naming_the_file(
     tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "matrix.json").write_text(content)
-    code = matrix.main([*SMALL, "--family-seed", "1", "--against", str(tmp_path), "--policy",
-                        "least-queue", "--out", str(tmp_path / "out")])  # fmt: skip
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "is not a stored matrix" in err and "matrix.json" in err
-    assert not (tmp_path / "out" / "against.json").exists()
+    _refused_naming(tmp_path, "matrix.json", capsys)
 
 
 def test_a_stored_matrix_kept_gzip_compressed_judges_as_the_plain_one(
@@ -204,9 +209,4 @@ def test_a_gzip_stored_matrix_cut_short_is_refused_naming_the_file(
 ) -> None:
     whole = gzip.compress((stored / "draw-1" / "matrix.json").read_bytes())
     (tmp_path / "matrix.json.gz").write_bytes(whole[: len(whole) // 2])
-    code = matrix.main([*SMALL, "--family-seed", "1", "--against", str(tmp_path), "--policy",
-                        "least-queue", "--out", str(tmp_path / "out")])  # fmt: skip
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "is not a stored matrix" in err and "matrix.json.gz" in err
-    assert not (tmp_path / "out" / "against.json").exists()
+    _refused_naming(tmp_path, "matrix.json.gz", capsys)
