@@ -58,6 +58,24 @@ slows every decode step there, so the last requests of a burst finish late. With
 estimate is the time to the ``decodeTokens``-th token, and a busy holder loses to an idle
 endpoint once its slower steps cost more than prefilling the context elsewhere.
 
+Two options shape that term. ``decodeMinPromptTokens`` (0) counts it only for a request whose
+prompt has at least that many tokens. ``decodeExcess`` (off) adds to the ranking only what the
+term exceeds at the candidate where it is least:
+
+```
+cost(e)       = ttft(e) + decode_s(e) - min_e' decode_s(e')
+```
+
+Added as is, most of the term is the same at every candidate (the step overhead and the
+request's own prompt read at each step), so it pulls every ratio toward 1 and hands the
+choice to the other scorers even where no endpoint is busy; in excess, an idle pool adds
+nothing and a holder pays only for the decode it already runs. Over every prompt, the excess
+moves requests off endpoints holding hot short prefixes, which then prefill them again
+elsewhere (``decodeTokens: 150`` on the routing matrix's tuning families, draws 1-3: 108 cells
+against the default's 123). Limited to prompts past the prefix match's limit (32,768 tokens), where a held context
+is otherwise seen as free, it passed 124 (``benchmarks/RESULTS.md`` section 1). The default sets
+neither.
+
 ``missCost`` (0: off) prices what a request's uncached prompt costs the requests already on
 the endpoint. Every one of them waits while it is computed: a queued request starts that much
 later, and a running one's decode steps carry the prompt's chunks. So the score ranks
@@ -124,6 +142,7 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
+``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
 ``missCost`` (0), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
 """
 
@@ -156,6 +175,8 @@ class PredictedLatencyParams:
     outputTokens: Annotated[float, NonNegative] = 256.0
     remotePrefillTokens: Annotated[int, NonNegative] = 0
     decodeTokens: Annotated[float, NonNegative] = 0.0
+    decodeMinPromptTokens: Annotated[float, NonNegative] = 0.0
+    decodeExcess: bool = False
     missCost: Annotated[float, NonNegative] = 0.0
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
@@ -220,12 +241,8 @@ class PredictedLatencyScorer:
                 life_s = store.request_s[i] or params.outputTokens * step_s
                 slot_s = excess * life_s / params.maxNumSeqs
         decode_s = 0.0
-        if params.decodeTokens:
-            # Its own first decode steps, each reading the KV in flight plus its own.
-            decode_s = params.decodeTokens * (
-                (params.stepSeconds + (store.in_flight_tokens[i] + total) * self._read_s)
-                / hardware.decode_speed
-            )
+        if not params.decodeExcess:
+            decode_s = self.decode_s(request, endpoint)
         return (
             own_s
             + steps * step_s
@@ -234,6 +251,18 @@ class PredictedLatencyScorer:
             + decode_s
             + params.transferSecondsPerToken * uncached
         )
+
+    def decode_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
+        """``decode_s(e)``: the request's first ``decodeTokens`` decode steps on ``endpoint``
+        (0 when off, or for a prompt shorter than ``decodeMinPromptTokens``)."""
+        params = self.params
+        total = prompt_tokens(request, params.charsPerToken)
+        if not params.decodeTokens or total < params.decodeMinPromptTokens:
+            return 0.0
+        # Its own first decode steps, each reading the KV in flight plus its own.
+        speed = self._hardware.of(endpoint.labels).decode_speed
+        tokens = self._store.in_flight_tokens[endpoint.id] + total
+        return params.decodeTokens * (params.stepSeconds + tokens * self._read_s) / speed
 
     def own_work_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         """``own_work_s(e)``: the seconds ``endpoint`` would spend computing this request's
@@ -249,6 +278,11 @@ class PredictedLatencyScorer:
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
+        if self.params.decodeExcess and self.params.decodeTokens:
+            decodes = [self.decode_s(request, e) for e in candidates]
+            least = min(decodes)
+            for i, decode_s in enumerate(decodes):
+                predictions[i] += decode_s - least
         miss_cost = self.params.missCost
         if miss_cost:
             in_flight = self._store.in_flight

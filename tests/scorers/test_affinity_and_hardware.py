@@ -283,6 +283,8 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
     [
         ("decodeTokens", -1),
         ("decodeTokens", "many"),
+        ("decodeMinPromptTokens", -1),
+        ("decodeExcess", "yes"),
         ("missCost", -0.1),
         ("missCost", "high"),
         ("ownWaitingAtScrape", "yes"),
@@ -422,3 +424,39 @@ def test_predicted_latency_queue_progress_counts_the_head_of_the_queue_as_partly
     clock.advance(2.0)
     assert scores(plain, store, document)[:2] == pytest.approx([3.0 / (2.9 + 0.104), 1.0])
     assert scores(full, store, document)[:2] == pytest.approx([1.0, (0.9 + 0.104) / 3.0])
+
+
+def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_prompts_only() -> (
+    None
+):
+    # The same holder and idle endpoint: 0.2 s per step on the holder, 0.01 s on the idle one.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
+    )
+    holder, idle = store.all()
+    store.in_flight_tokens[holder.id] = 190_000
+    decode10 = dataclasses.replace(params, decodeTokens=10)
+    # As is: holder 0.2 + 2.1, idle 1.01 + 0.2 (the previous test).
+    assert scores(
+        PredictedLatencyScorer("p", decode10, make_context(store)), store, request
+    ) == pytest.approx([1.21 / 2.3, 1.0])
+    # decodeExcess: the ranking adds only what exceeds the least of the candidates' terms, so
+    # holder 0.2 + (2.1 - 0.2), idle 1.01 + 0; the estimate itself stops at the first token.
+    excess = PredictedLatencyScorer(
+        "p", dataclasses.replace(decode10, decodeExcess=True), make_context(store)
+    )
+    assert excess.predict_ttft_s(request, holder) == pytest.approx(0.2)
+    assert excess.decode_s(request, holder) == pytest.approx(2.1)
+    assert excess.decode_s(request, idle) == pytest.approx(0.2)
+    assert scores(excess, store, request) == pytest.approx([1.01 / 2.1, 1.0])
+    # decodeMinPromptTokens: the term counts for prompts of at least that many tokens (this
+    # one has 10,000), whether as is or in excess.
+    for extra in ({}, {"decodeExcess": True}):
+        at = dataclasses.replace(decode10, decodeMinPromptTokens=10_000, **extra)
+        above = dataclasses.replace(decode10, decodeMinPromptTokens=10_001, **extra)
+        assert scores(
+            PredictedLatencyScorer("p", at, make_context(store)), store, request
+        ) == pytest.approx([1.01 / 2.1, 1.0] if extra else [1.21 / 2.3, 1.0])
+        short = PredictedLatencyScorer("p", above, make_context(store))
+        assert short.predict_ttft_s(request, holder) == pytest.approx(0.2)
+        assert scores(short, store, request) == pytest.approx([1.0, 0.2 / 1.01])
