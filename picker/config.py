@@ -115,7 +115,12 @@ IGNORED_SECTIONS = (
 #   prefill work queued there (tokens and attention, counted by the picker from the pick to the
 #   first byte), this prompt's uncached part, the engine's step and KV-read costs, the wait for a
 #   free sequence slot past maxNumSeqs (64: set it to the engines' --max-num-seqs), and the
-#   endpoint's hardware class;
+#   endpoint's hardware class; for a prompt of at least 32,768 tokens it also counts its first
+#   64 decode steps, each reading the KV in flight there, as what they exceed at the candidate
+#   where they are cheapest (decodeTokens, decodeMinPromptTokens, decodeExcess), so the endpoint
+#   holding a long context stops looking free once the contexts it already decodes slow its
+#   steps (without it, questions about long documents stayed with their holders at high load
+#   and output throughput fell to 0.72 of the best);
 # - active-request-scorer (2), counting the prompt tokens in flight (the KV each decode step
 #   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
 #   once batches fill and which the TTFT estimate cannot see coming; below 8,192 tokens in
@@ -135,6 +140,9 @@ IGNORED_SECTIONS = (
 #   (about 32,000 tokens), not the upstream 256 (about 4,000): the latency estimate takes its
 #   cached tokens from this match, and with 256 a 25,000-token agent context cached on one
 #   endpoint looked almost as slow there as anywhere else, so in-flight spreading moved it;
+#   with cappedMatchIsWhole, an endpoint matching all 2,048 blocks of a longer prompt counts as
+#   holding the whole prompt (a cached context is cached whole), where the rest of it used to
+#   count as uncached and overstated that endpoint's TTFT 3-25 times;
 # - recent-work-scorer (0.5, idleShare 0.25): endpoints that computed under a quarter of the
 #   busiest candidate's prefill work over the last ~30 s score above 0, so at light load new
 #   contexts seed endpoints that would otherwise stay idle while sessions keep returning to the
@@ -147,8 +155,19 @@ IGNORED_SECTIONS = (
 # request sharing a system prompt onto one endpoint: on chat sessions it was up to 200x slower
 # than the best policy in the matrix.
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
-    {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 2048}},
-    {"type": "predicted-latency-scorer", "parameters": {"maxNumSeqs": 64}},
+    {
+        "type": "prefix-cache-scorer",
+        "parameters": {"maxPrefixBlocksToMatch": 2048, "cappedMatchIsWhole": True},
+    },
+    {
+        "type": "predicted-latency-scorer",
+        "parameters": {
+            "maxNumSeqs": 64,
+            "decodeTokens": 64,
+            "decodeMinPromptTokens": 32768,
+            "decodeExcess": True,
+        },
+    },
     {
         "type": "active-request-scorer",
         "parameters": {

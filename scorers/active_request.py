@@ -30,7 +30,9 @@ must run first; 0 when none ran). A long prompt that nobody holds (a new documen
 question about a cached document stays near it. When both are set the larger scale counts.
 The prefix scorer looks up at most ``maxPrefixBlocksToMatch`` blocks (2,048 in the built-in
 default, about 32,800 tokens), so for a longer prompt the holder's share is capped there: a
-question about a 60,000-token document cached whole counts 32,800 tokens held. With
+question about a 60,000-token document cached whole counts 32,800 tokens held, unless the
+prefix scorer's own ``cappedMatchIsWhole`` is set (the built-in default sets it), which
+publishes such a match as the whole prompt to every reader. With this scorer's
 ``cappedMatchIsWhole``, a best match that covers every block looked up, with prompt left past
 them, counts the whole prompt as held (a cached context is usually cached whole). On the
 routing matrix it passed one held-out cell more on draws 1-3 and the same cells on draws 13-15,

@@ -72,9 +72,11 @@ choice to the other scorers even where no endpoint is busy; in excess, an idle p
 nothing and a holder pays only for the decode it already runs. Over every prompt, the excess
 moves requests off endpoints holding hot short prefixes, which then prefill them again
 elsewhere (``decodeTokens: 150`` on the routing matrix's tuning families, draws 1-3: 108 cells
-against the default's 123). Limited to prompts past the prefix match's limit (32,768 tokens), where a held context
-is otherwise seen as free, it passed 124 (``benchmarks/RESULTS.md`` section 1). The default sets
-neither.
+against the default's 123). The built-in default sets ``decodeTokens: 64``,
+``decodeMinPromptTokens: 32768`` (the prefix match's 2,048 blocks: a longer context held whole
+looks free with the prefix scorer's ``cappedMatchIsWhole``) and ``decodeExcess``. Chosen on
+draws 1-3 of the routing matrix and confirmed on draws 16-18, which no choice had seen, by a rule
+written before they ran (``benchmarks/RESULTS.md`` section 1).
 
 ``missCost`` (0: off) prices what a request's uncached prompt costs the requests already on
 the endpoint. Every one of them waits while it is computed: a queued request starts that much

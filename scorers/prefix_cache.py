@@ -32,7 +32,9 @@ cached context as uncached there, and `kv-picker bench moves` measured the laten
 median 95-100% of those prompts (``benchmarks/RESULTS.md`` section 1). On the matrix it passed
 more cells than the default on every draw set and lowered TTFT where long contexts are cached,
 and on long documents at high load it kept questions with their documents' endpoints until
-their decode slowed (down to 0.71 of the best output throughput): not the default.
+their decode slowed (down to 0.71 of the best output throughput). The built-in default sets it
+together with the latency estimate's decode term for long prompts, which answers that
+(``predicted-latency-scorer``'s ``decodeMinPromptTokens``).
 """
 
 from __future__ import annotations

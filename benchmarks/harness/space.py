@@ -79,7 +79,8 @@ DEFAULT_SPACE = """\
 # affinity on a lightly loaded pool, its cachedScale the same in proportion to what moving a
 # request would recompute, its promptScale in proportion to the request's size; its ownDecode matters on mixed hardware only;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
-# long contexts; prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
+# long contexts, for prompts past decodeMinPromptTokens, counted in excess of the cheapest
+# candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
 # latency estimate see long cached documents whole, which keeps their questions with them, and
 # its cappedMatchIsWhole does so without hashing further, counting a match that reached the limit
 # as the whole prompt).
@@ -105,6 +106,10 @@ dimensions:
 - {plugin: predicted-latency-scorer, parameter: queuedRequestSeconds, low: 0.01, high: 1.0,
    log: true}
 - {plugin: predicted-latency-scorer, parameter: decodeTokens, choices: [0, 4, 16, 64, 256]}
+- plugin: predicted-latency-scorer
+  parameter: decodeMinPromptTokens
+  choices: [0, 8192, 16384, 32768, 65536]
+- {plugin: predicted-latency-scorer, parameter: decodeExcess, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
 - {plugin: active-request-scorer, parameter: cachedScale, choices: [0, 1, 2, 4, 8]}

@@ -192,13 +192,26 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/cached-scale/) are the present
-    # default's: the file must not drift from it. The profiles of the defaults before it differ
-    # from it by one parameter each (cachedScale for promptScale, then promptScale, then
-    # ownDecode), and then by one scorer.
-    assert _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}") == _parsed("kv-picker")
-    default_profiles, default_plugins = _parsed("kv-picker")
+def test_the_decode_excess_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/decode-excess/) are the present
+    # default's: the file must not drift from it. The default before it (cached-scale-2.yaml)
+    # is capped-whole.yaml without cappedMatchIsWhole, and decode-excess-64.yaml adds the decode
+    # term to capped-whole.yaml (test_the_decode_excess_candidates_are_...).
+    assert _parsed(f"d={PROFILES / 'decode-excess-64.yaml'}") == _parsed("kv-picker")
+    capped_profiles, capped_plugins = _parsed(f"w={PROFILES / 'capped-whole.yaml'}")
+    before_profiles, before_plugins = _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}")
+    assert capped_profiles == before_profiles
+    changed = [(a, b) for a, b in zip(before_plugins, capped_plugins, strict=True) if a != b]
+    assert [(a[1], a[2].cappedMatchIsWhole, b[2].cappedMatchIsWhole) for a, b in changed] == [
+        ("prefix-cache-scorer", False, True)
+    ]
+
+
+def test_the_cached_scale_candidate_was_the_default_before_it() -> None:
+    # The profiles of the defaults before cached-scale-2.yaml differ from it by one parameter
+    # each (cachedScale for promptScale, then promptScale, then ownDecode), and then by one
+    # scorer.
+    default_profiles, default_plugins = _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}")
     prompt_profiles, prompt_plugins = _parsed(f"p={PROFILES / 'prompt-scale.yaml'}")
     own_profiles, own_plugins = _parsed(f"o={PROFILES / 'own-decode.yaml'}")
     recent_profiles, recent_plugins = _parsed(f"r={PROFILES / 'recent-work.yaml'}")
@@ -228,14 +241,42 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
 @pytest.mark.parametrize(
     ("name", "base", "plugin", "option", "off", "on"),
     [
-        ("queue-progress-1", "kv-picker", "predicted-latency-scorer", "queueProgress", 0.0, 1.0),
-        ("queue-progress-half", "kv-picker", "predicted-latency-scorer", "queueProgress", 0.0, 0.5),
-        ("capped-match", "kv-picker", "active-request-scorer", "cappedMatchIsWhole", False, True),
-        ("free-load-8k", "kv-picker", "active-request-scorer", "freeLoad", 0.0, 8192.0),
-        ("free-load-16k", "kv-picker", "active-request-scorer", "freeLoad", 0.0, 16384.0),
-        ("cached-scale-8", "kv-picker", "active-request-scorer", "cachedScale", 2.0, 8.0),
-        ("cached-scale-16", "kv-picker", "active-request-scorer", "cachedScale", 2.0, 16.0),
-        ("capped-whole", "kv-picker", "prefix-cache-scorer", "cappedMatchIsWhole", False, True),
+        (
+            "queue-progress-1",
+            "cached-scale-2",
+            "predicted-latency-scorer",
+            "queueProgress",
+            0.0,
+            1.0,
+        ),
+        (
+            "queue-progress-half",
+            "cached-scale-2",
+            "predicted-latency-scorer",
+            "queueProgress",
+            0.0,
+            0.5,
+        ),
+        (
+            "capped-match",
+            "cached-scale-2",
+            "active-request-scorer",
+            "cappedMatchIsWhole",
+            False,
+            True,
+        ),
+        ("free-load-8k", "cached-scale-2", "active-request-scorer", "freeLoad", 0.0, 8192.0),
+        ("free-load-16k", "cached-scale-2", "active-request-scorer", "freeLoad", 0.0, 16384.0),
+        ("cached-scale-8", "cached-scale-2", "active-request-scorer", "cachedScale", 2.0, 8.0),
+        ("cached-scale-16", "cached-scale-2", "active-request-scorer", "cachedScale", 2.0, 16.0),
+        (
+            "capped-whole",
+            "cached-scale-2",
+            "prefix-cache-scorer",
+            "cappedMatchIsWhole",
+            False,
+            True,
+        ),
         ("capped-whole-decode-4", "capped-whole", "predicted-latency-scorer", "decodeTokens", 0, 4),
         (
             "capped-whole-decode-16",
@@ -250,8 +291,8 @@ def test_the_cached_scale_candidate_is_the_built_in_default() -> None:
 def test_the_one_option_candidates_are_their_base_with_that_option(
     name: str, base: str, plugin: str, option: str, off: object, on: object
 ) -> None:
-    # results/candidates/<name>/ judges each as its base (the default, or a profile of
-    # benchmarks/profiles/) plus that one option.
+    # results/candidates/<name>/ judges each as its base (cached-scale-2.yaml, the default it
+    # was judged against, or another profile of benchmarks/profiles/) plus that one option.
     profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
     base_profiles, base_plugins = _parsed(
         base if base == "kv-picker" else f"b={PROFILES / (base + '.yaml')}"
@@ -262,6 +303,24 @@ def test_the_one_option_candidates_are_their_base_with_that_option(
     (_, _, before), (_, _, after) = changed[0]
     assert (getattr(before, option), getattr(after, option)) == (off, on)
     assert replace(after, **{option: off}) == before
+
+
+@pytest.mark.parametrize("tokens", [64, 150])
+def test_the_decode_excess_candidates_are_capped_whole_with_the_long_prompt_decode_term(
+    tokens: int,
+) -> None:
+    # results/candidates/decode-excess/ judges each as profiles/capped-whole.yaml with the
+    # latency estimate's decode term over ``tokens`` output tokens, in excess, from 32,768
+    # prompt tokens, and nothing else.
+    profiles, plugins = _parsed(f"q={PROFILES / f'decode-excess-{tokens}.yaml'}")
+    base_profiles, base_plugins = _parsed(f"b={PROFILES / 'capped-whole.yaml'}")
+    assert profiles == base_profiles
+    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
+    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
+    (_, _, before), (_, _, after) = changed[0]
+    options = {"decodeTokens": tokens, "decodeMinPromptTokens": 32768, "decodeExcess": True}
+    assert {k: getattr(after, k) for k in options} == options
+    assert replace(before, **options) == after
 
 
 def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants() -> None:

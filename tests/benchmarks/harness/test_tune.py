@@ -146,7 +146,10 @@ def test_the_default_space_starts_from_the_built_in_default() -> None:
     assert space.base_values["queue-scorer.enabled"] is False
     assert "queue-scorer.weight" not in space.base_values
     assert space.base_values["active-request-scorer.ownDecode"] is True
-    assert space.base_values["predicted-latency-scorer.decodeTokens"] == 0
+    assert space.base_values["predicted-latency-scorer.decodeTokens"] == 64
+    assert space.base_values["predicted-latency-scorer.decodeMinPromptTokens"] == 32768
+    assert space.base_values["predicted-latency-scorer.decodeExcess"] is True
+    assert space.base_values["prefix-cache-scorer.cappedMatchIsWhole"] is True
     assert space.base_values["active-request-scorer.promptScale"] == 0
     assert space.base_values["active-request-scorer.cachedScale"] == 2
     document, chosen = space.build(FixedChooser(space.base_values))
