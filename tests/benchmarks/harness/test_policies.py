@@ -186,6 +186,18 @@ def _parsed(item: str) -> tuple[Any, list[tuple[str, str, Any]]]:
     return config.profiles, [(p.name, p.type, p.params) for p in config.plugins]
 
 
+def _one_changed_plugin(item: str, base_item: str) -> tuple[str, Any, Any]:
+    """The one plugin whose parameters differ between a policy and its base (which must have
+    the same profiles and plugins otherwise): its type, the base's and the policy's params."""
+    profiles, plugins = _parsed(item)
+    base_profiles, base_plugins = _parsed(base_item)
+    assert profiles == base_profiles
+    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
+    assert len(changed) == 1
+    (_, kind, before), (_, _, after) = changed[0]
+    return kind, before, after
+
+
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_profile_builds(path: Path) -> None:
     profiles, plugins = _parsed(f"{path.stem}={path}")
@@ -293,14 +305,11 @@ def test_the_one_option_candidates_are_their_base_with_that_option(
 ) -> None:
     # results/candidates/<name>/ judges each as its base (cached-scale-2.yaml, the default it
     # was judged against, or another profile of benchmarks/profiles/) plus that one option.
-    profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
-    base_profiles, base_plugins = _parsed(
-        base if base == "kv-picker" else f"b={PROFILES / (base + '.yaml')}"
+    kind, before, after = _one_changed_plugin(
+        f"q={PROFILES / (name + '.yaml')}",
+        base if base == "kv-picker" else f"b={PROFILES / (base + '.yaml')}",
     )
-    assert profiles == base_profiles
-    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == [plugin]
-    (_, _, before), (_, _, after) = changed[0]
+    assert kind == plugin
     assert (getattr(before, option), getattr(after, option)) == (off, on)
     assert replace(after, **{option: off}) == before
 
@@ -312,12 +321,10 @@ def test_the_decode_excess_candidates_are_capped_whole_with_the_long_prompt_deco
     # results/candidates/decode-excess/ judges each as profiles/capped-whole.yaml with the
     # latency estimate's decode term over ``tokens`` output tokens, in excess, from 32,768
     # prompt tokens, and nothing else.
-    profiles, plugins = _parsed(f"q={PROFILES / f'decode-excess-{tokens}.yaml'}")
-    base_profiles, base_plugins = _parsed(f"b={PROFILES / 'capped-whole.yaml'}")
-    assert profiles == base_profiles
-    changed = [(a, b) for a, b in zip(base_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
-    (_, _, before), (_, _, after) = changed[0]
+    kind, before, after = _one_changed_plugin(
+        f"q={PROFILES / f'decode-excess-{tokens}.yaml'}", f"b={PROFILES / 'capped-whole.yaml'}"
+    )
+    assert kind == "predicted-latency-scorer"
     options = {"decodeTokens": tokens, "decodeMinPromptTokens": 32768, "decodeExcess": True}
     assert {k: getattr(after, k) for k in options} == options
     assert replace(before, **options) == after
@@ -328,12 +335,10 @@ def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants
     # 70B cells, measured when the default was prompt-scale.yaml: the file must be that default
     # but for the latency estimate's four constants, and those must be the 70B timing
     # profile's (to the rounding written in the file).
-    default_profiles, default_plugins = _parsed(f"p={PROFILES / 'prompt-scale.yaml'}")
-    profiles, plugins = _parsed(f"c={PROFILES / 'calibrated-70b.yaml'}")
-    assert profiles == default_profiles
-    changed = [(a, b) for a, b in zip(default_plugins, plugins, strict=True) if a != b]
-    assert [a[1] for a, _ in changed] == ["predicted-latency-scorer"]
-    (_, _, default_params), (_, _, params) = changed[0]
+    kind, default_params, params = _one_changed_plugin(
+        f"c={PROFILES / 'calibrated-70b.yaml'}", f"p={PROFILES / 'prompt-scale.yaml'}"
+    )
+    assert kind == "predicted-latency-scorer"
     constants = (
         "prefillTokensPerSecond",
         "attentionCrossoverTokens",
