@@ -280,12 +280,18 @@ class PredictedLatencyScorer:
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
-        if self.params.decodeExcess and self.params.decodeTokens:
+        params = self.params
+        if (
+            params.decodeExcess
+            and params.decodeTokens
+            and prompt_tokens(request, params.charsPerToken) >= params.decodeMinPromptTokens
+        ):
+            # Short prompts (most requests) skip the per-candidate pass: their term is 0.
             decodes = [self.decode_s(request, e) for e in candidates]
             least = min(decodes)
             for i, decode_s in enumerate(decodes):
                 predictions[i] += decode_s - least
-        miss_cost = self.params.missCost
+        miss_cost = params.missCost
         if miss_cost:
             in_flight = self._store.in_flight
             for i, endpoint in enumerate(candidates):
