@@ -546,6 +546,65 @@ def closest_policy(result: CellResult) -> tuple[str, float]:
     )
 
 
+def _named(items: Sequence[tuple[str, str]], limit: int = 2) -> str:
+    """``a (x), b (y)`` for the first ``limit`` items, ``and N more`` past them."""
+    text = ", ".join(f"{name} ({detail})" for name, detail in items[:limit])
+    return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def why_nobody_passes(result: CellResult) -> str:
+    """Markdown, for a cell no policy passes (empty when one does): the trade-off that stops
+    every policy, with the figures that show it.
+
+    Either no policy is within 5% of the best TTFT and of the best throughput at once (the
+    policies near the best TTFT mean and p90, with their throughput, against those near the
+    best throughput, with their TTFT), or the ones that are trail the GIE default on a figure
+    (the GIE default need not be near the best itself: the bar asks for both).
+    """
+    if passing_policies(result):
+        return ""
+    ratios = cell_ratios(result)
+    order = sorted(ratios, key=lambda name: worst_judged_ratio(ratios[name]))
+    near_all = [name for name in order if worst_judged_ratio(ratios[name]) <= PASS_RATIO]
+    if near_all:
+        gie = ratios.get(GIE_DEFAULT)
+        behind = []
+        for name in near_all:
+            verdict = default_verdict(result, name)
+            # "TTFT p90 worse than gie-default" -> "TTFT p90"
+            reasons = verdict.reasons if verdict is not None else ()
+            figures = [r.split(" worse than ")[0].split(" below ")[0] for r in reasons]
+            behind.append((name, "; ".join(figures)))
+        text = "within 5% of every best but behind gie-default: " + _named(behind)
+        if gie is not None:
+            text += (
+                f"; gie-default itself {gie.ttft_mean:.2f}x / {gie.ttft_p90:.2f}x the best TTFT "
+                f"mean / p90, {gie.throughput:.2f}x the throughput"
+            )
+        return text
+    fast = [
+        (name, f"throughput {ratios[name].throughput:.2f}x")
+        for name in order
+        if max(ratios[name].ttft_mean, ratios[name].ttft_p90) <= PASS_RATIO
+    ]
+    busy = [
+        (name, f"TTFT {ratios[name].ttft_mean:.2f}x / {ratios[name].ttft_p90:.2f}x")
+        for name in order
+        if ratios[name].throughput >= 1 / PASS_RATIO
+    ]
+    if fast:
+        left = "near the best TTFT mean and p90: " + _named(fast)
+    else:
+        mean_best = min(ratios, key=lambda name: ratios[name].ttft_mean)
+        p90_best = min(ratios, key=lambda name: ratios[name].ttft_p90)
+        left = (
+            f"none near the best TTFT mean and p90 at once (best mean: {mean_best}, "
+            f"p90 {ratios[mean_best].ttft_p90:.2f}x; best p90: {p90_best}, "
+            f"mean {ratios[p90_best].ttft_mean:.2f}x)"
+        )
+    return f"{left}; near the best throughput: {_named(busy)}"
+
+
 def describe_passing(result: CellResult) -> str:
     """Markdown: the policies that pass the cell, or the closest one when none does."""
     passing = passing_policies(result)
@@ -696,18 +755,19 @@ def markdown_report(title: str, command: str, results: Sequence[CellResult], wal
             nobody = sum(1 for r, _ in failed if not passing_policies(r))
             lines += [
                 f"In {nobody} of the {len(failed)} cells it fails, no policy of the run passes "
-                "the same bar: the best TTFT and the best throughput belong to different "
-                'policies, and none is within 5% of all of them ("closest": the policy whose '
-                "worst ratio among TTFT mean, p90 and best ÷ throughput is smallest, and that "
-                "ratio).",
+                "the same bar: none is within 5% of the best TTFT mean, p90 and throughput at "
+                'once, or the ones that are trail the GIE default on a figure ("closest": the '
+                "policy whose worst ratio among TTFT mean, p90 and best ÷ throughput is "
+                "smallest, and that ratio; the last column says which).",
                 "",
-                "| cell | split | why | policies that pass |",
-                "|---|---|---|---|",
+                "| cell | split | why | policies that pass | why no policy passes |",
+                "|---|---|---|---|---|",
             ]
             for r, v in failed:
                 lines.append(
                     f"| {r.cell.label} | {FAMILIES[r.cell.family].split} "
-                    f"| {'; '.join(v.reasons)} | {describe_passing(r)} |"
+                    f"| {'; '.join(v.reasons)} | {describe_passing(r)} "
+                    f"| {why_nobody_passes(r) or '–'} |"
                 )
     lines += ["", "## Cells", ""]
     for result in results:
@@ -1363,19 +1423,25 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
             f"## The cells the default fails, pooled ({len(failed)})",
             "",
             "*Policies that pass*: the policies meeting the same bar on the pooled cell, each "
-            "judged as the default is. Where none does, the best TTFT and the best throughput "
-            "belong to different policies; *closest* is the policy whose worst ratio among TTFT "
+            "judged as the default is. Where none does, none is within 5% of the best TTFT "
+            "mean, p90 and throughput at once, or the ones that are trail the GIE default on a "
+            "figure; *closest* is the policy whose worst ratio among TTFT "
             "mean, p90 and best ÷ throughput is smallest, and that ratio, next to the "
-            "default's.",
+            "default's. *Why no policy passes*: the policies within 5% of the best TTFT mean and "
+            "p90, with their throughput, against those within 5% of the best throughput, with "
+            "their TTFT mean / p90 (two of each, the closest first); or, where some policy is "
+            "within 5% of every best, what it trails the GIE default on.",
             "",
-            "| cell | split | why | policies that pass | the default's worst ratio |",
-            "|---|---|---|---|---:|",
+            "| cell | split | why | policies that pass | the default's worst ratio "
+            "| why no policy passes |",
+            "|---|---|---|---|---:|---|",
         ]
         for result, verdict in failed:
             ours = worst_judged_ratio(cell_ratios(result)[DEFAULT_POLICY])
             lines.append(
                 f"| {result.cell.label} | {FAMILIES[result.cell.family].split} "
-                f"| {'; '.join(verdict.reasons)} | {describe_passing(result)} | {ours:.2f}x |"
+                f"| {'; '.join(verdict.reasons)} | {describe_passing(result)} | {ours:.2f}x "
+                f"| {why_nobody_passes(result) or '–'} |"
             )
     lines += [
         "",
@@ -1425,6 +1491,7 @@ def draws_json(
                     "default_verdict": _verdict_json(default_verdict(result)),
                     "passing_policies": passing_policies(result),
                     "closest_policy": list(closest_policy(result)),
+                    "why_nobody_passes": why_nobody_passes(result),
                 }
                 for result in pooled
             ],

@@ -109,12 +109,39 @@ def test_who_passes_a_cell_and_how_close_the_closest_comes_when_nobody_does() ->
     # worst judged ratios: kv-picker 1.10 (mean); sglang 100/85 = 1.176; dynamo 1.30
     assert matrix.closest_policy(split) == ("kv-picker", pytest.approx(1.10))
     assert matrix.describe_passing(split) == "none (closest: kv-picker, 1.10x)"
+    # Why: the policy near the best TTFT has 0.85 of the best throughput, the one with the best
+    # throughput has 1.3x the best TTFT mean.
+    assert matrix.why_nobody_passes(split) == (
+        "near the best TTFT mean and p90: sglang-cache-aware (throughput 0.85x); "
+        "near the best throughput: dynamo-cost (TTFT 1.30x / 1.10x)"
+    )
+    # Near every best, but behind the GIE default, which is far from the best throughput.
+    bound = cell_result(
+        metrics("kv-picker", 1.0, 1.04, 100.0),
+        metrics("gie-default", 1.02, 1.0, 80.0),
+    )
+    assert matrix.passing_policies(bound) == []
+    assert matrix.why_nobody_passes(bound) == (
+        "within 5% of every best but behind gie-default: kv-picker (TTFT p90); gie-default "
+        "itself 1.02x / 1.00x the best TTFT mean / p90, 0.80x the throughput"
+    )
+    # Nobody near both TTFT figures: each TTFT leader is named with its other figure.
+    apart = cell_result(
+        metrics("kv-picker", 1.0, 1.5, 100.0),
+        metrics("round-robin", 1.5, 1.0, 100.0),
+    )
+    assert matrix.why_nobody_passes(apart) == (
+        "none near the best TTFT mean and p90 at once (best mean: kv-picker, p90 1.50x; "
+        "best p90: round-robin, mean 1.50x); near the best throughput: kv-picker "
+        "(TTFT 1.00x / 1.50x), round-robin (TTFT 1.50x / 1.00x)"
+    )
     one = cell_result(
         metrics("kv-picker", 1.10, 1.0, 95.0),
         metrics("gie-default", 1.0, 1.0, 99.0),
         metrics("random", 2.0, 2.0, 100.0),
     )
     assert matrix.passing_policies(one) == ["gie-default"]
+    assert matrix.why_nobody_passes(one) == ""
     assert matrix.worst_judged_ratio(cell_ratios(one)["random"]) == 2.0
     # Within 5% of the best on every figure passes; worse than the GIE default on one does not.
     near = cell_result(
