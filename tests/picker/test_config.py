@@ -65,6 +65,7 @@ def test_empty_config_is_the_builtin_default() -> None:
     assert weights == [1, 1, 2, 0.5]
     (recent,) = [p for p in config.plugins if p.type == "recent-work-scorer"]
     assert recent.params.idleShare == 0.25
+    assert recent.params.decodeSpeedScaled is True
     assert config == parse_config({}, REGISTRY, source="<text>")
 
 

@@ -204,12 +204,15 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_decode_excess_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/decode-excess/) are the present
-    # default's: the file must not drift from it. The default before it (cached-scale-2.yaml)
-    # is capped-whole.yaml without cappedMatchIsWhole, and decode-excess-64.yaml adds the decode
-    # term to capped-whole.yaml (test_the_decode_excess_candidates_are_...).
-    assert _parsed(f"d={PROFILES / 'decode-excess-64.yaml'}") == _parsed("kv-picker")
+def test_the_seeding_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/seeding-weight/) are the present
+    # default's: the file must not drift from it. It is the default before it
+    # (decode-excess-64.yaml) with decodeSpeedScaled (test_the_one_option_candidates_...); that
+    # one is capped-whole.yaml with the decode term (test_the_decode_excess_candidates_are_...),
+    # and the default before that (cached-scale-2.yaml) is capped-whole.yaml without
+    # cappedMatchIsWhole.
+    assert _parsed(f"s={PROFILES / 'seeding-decode-scaled.yaml'}") == _parsed("kv-picker")
+    assert _parsed(f"d={PROFILES / 'decode-excess-64.yaml'}") != _parsed("kv-picker")
     capped_profiles, capped_plugins = _parsed(f"w={PROFILES / 'capped-whole.yaml'}")
     before_profiles, before_plugins = _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}")
     assert capped_profiles == before_profiles
@@ -291,6 +294,14 @@ def test_the_cached_scale_candidate_was_the_default_before_it() -> None:
         ),
         ("capped-whole-decode-4", "capped-whole", "predicted-latency-scorer", "decodeTokens", 0, 4),
         (
+            "seeding-decode-scaled",
+            "decode-excess-64",
+            "recent-work-scorer",
+            "decodeSpeedScaled",
+            False,
+            True,
+        ),
+        (
             "capped-whole-decode-16",
             "capped-whole",
             "predicted-latency-scorer",
@@ -355,3 +366,19 @@ def test_the_calibrated_70b_profile_is_its_default_with_the_70b_timing_constants
     }
     for name, value in expected.items():
         assert getattr(params, name) == pytest.approx(value, rel=0.005), name
+
+
+@pytest.mark.parametrize(
+    ("name", "weight"), [("recent-work-weight-0", 0.0), ("recent-work-weight-025", 0.25)]
+)
+def test_the_seeding_weight_candidates_change_only_that_weight(name: str, weight: float) -> None:
+    # results/candidates/seeding-weight/ judges each as decode-excess-64.yaml (the default it
+    # was judged against) with recent-work-scorer's weight changed from 0.5, and nothing else.
+    profiles, plugins = _parsed(f"q={PROFILES / (name + '.yaml')}")
+    base_profiles, base_plugins = _parsed(f"b={PROFILES / 'decode-excess-64.yaml'}")
+    assert plugins == base_plugins
+    ((profile,), (base,)) = (profiles, base_profiles)
+    weights = {e.plugin_ref: e.weight for e in profile.entries}
+    base_weights = {e.plugin_ref: e.weight for e in base.entries}
+    assert base_weights["recent-work-scorer"] == 0.5
+    assert weights == {**base_weights, "recent-work-scorer": weight}
