@@ -503,16 +503,27 @@ def default_verdict(result: CellResult, default: str = DEFAULT_POLICY) -> Verdic
         reasons.append(f"TTFT p90 {mine.ttft_p90:.2f}x the best")
     if mine.throughput < 1 / PASS_RATIO:
         reasons.append(f"throughput {mine.throughput:.2f}x the best")
-    gie = result.metrics.get(GIE_DEFAULT)
-    ours = result.metrics[default]
-    if gie is not None:
-        if ours.ttft_s["mean"] > gie.ttft_s["mean"]:
-            reasons.append("TTFT mean worse than gie-default")
-        if ours.ttft_s["p90"] > gie.ttft_s["p90"]:
-            reasons.append("TTFT p90 worse than gie-default")
-        if ours.output_tokens_per_s < gie.output_tokens_per_s:
-            reasons.append("throughput below gie-default")
+    for figure in trails_gie_default(result, default):
+        below = "below" if figure == "throughput" else "worse than"
+        reasons.append(f"{figure} {below} gie-default")
     return Verdict(not reasons, tuple(reasons))
+
+
+def trails_gie_default(result: CellResult, name: str) -> list[str]:
+    """The figures ("TTFT mean", "TTFT p90", "throughput") on which policy ``name`` is worse
+    than the GIE default in the cell (none when the GIE default did not run there)."""
+    gie = result.metrics.get(GIE_DEFAULT)
+    ours = result.metrics[name]
+    if gie is None:
+        return []
+    figures = []
+    if ours.ttft_s["mean"] > gie.ttft_s["mean"]:
+        figures.append("TTFT mean")
+    if ours.ttft_s["p90"] > gie.ttft_s["p90"]:
+        figures.append("TTFT p90")
+    if ours.output_tokens_per_s < gie.output_tokens_per_s:
+        figures.append("throughput")
+    return figures
 
 
 def passing_policies(result: CellResult) -> list[str]:
@@ -568,13 +579,7 @@ def why_nobody_passes(result: CellResult) -> str:
     near_all = [name for name in order if worst_judged_ratio(ratios[name]) <= PASS_RATIO]
     if near_all:
         gie = ratios.get(GIE_DEFAULT)
-        behind = []
-        for name in near_all:
-            verdict = default_verdict(result, name)
-            # "TTFT p90 worse than gie-default" -> "TTFT p90"
-            reasons = verdict.reasons if verdict is not None else ()
-            figures = [r.split(" worse than ")[0].split(" below ")[0] for r in reasons]
-            behind.append((name, "; ".join(figures)))
+        behind = [(name, "; ".join(trails_gie_default(result, name))) for name in near_all]
         text = "within 5% of every best but behind gie-default: " + _named(behind)
         if gie is not None:
             text += (
