@@ -77,7 +77,8 @@ DEFAULT_SPACE = """\
 # four scorers, two scraped load signals it leaves out (tried in and out), and the parameters
 # that change which endpoint wins (active-request-scorer's fullScale trades spreading for cache
 # affinity on a lightly loaded pool, its cachedScale the same in proportion to what moving a
-# request would recompute, its promptScale in proportion to the request's size; its ownDecode matters on mixed hardware only;
+# request would recompute, its promptScale in proportion to the request's size; its ownDecode matters on mixed hardware only,
+# as does recent-work-scorer's decodeSpeedScaled, which seeds slow idle endpoints less;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts, for prompts past decodeMinPromptTokens, counted in excess of the cheapest
 # candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
@@ -98,6 +99,7 @@ dimensions:
   parameter: fullScale
   choices: [0, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
 - {plugin: recent-work-scorer, parameter: idleShare, choices: [0.1, 0.25, 0.5, 1.0]}
+- {plugin: recent-work-scorer, parameter: decodeSpeedScaled, choices: [true, false]}
 - {plugin: prefix-cache-scorer, parameter: blockSizeChars, choices: [32, 64, 128, 256]}
 - plugin: prefix-cache-scorer
   parameter: maxPrefixBlocksToMatch
