@@ -71,7 +71,17 @@ flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); 
 with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
 ``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``);
 ``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
-terms.
+terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate).
+
+``latencyBand`` (0: off): a candidate whose predicted time to first token exceeds
+``1 + latencyBand`` times the least among the candidates scores 0, so in-flight spreading
+moves a request only among endpoints the latency estimate finds within that band of the
+fastest. The estimate is ``predicted-latency-scorer``'s ranking cost (with its decode excess
+and miss cost), which it publishes for the plugins after it; the scorer must run first in the
+same profile, and without it this option does nothing. It answers a failure of the two
+signals added together: on agent loops at light load on four endpoints, the in-flight count
+alone moved requests whose context one endpoint held to endpoints predicted three times slower
+to the first token, which then prefilled the context again.
 
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
@@ -92,6 +102,7 @@ from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
 from kv_picker.scheduling.signals import (
     DEFAULT_CHARS_PER_TOKEN,
+    PREDICTED_COST,
     PREFIX_MATCH,
     PrefixMatch,
     cached_tokens,
@@ -111,6 +122,7 @@ class ActiveRequestParams:
     cachedScale: Annotated[float, NonNegative] = 0.0
     cappedMatchIsWhole: bool = False
     freeLoad: Annotated[float, NonNegative] = 0.0
+    latencyBand: Annotated[float, NonNegative] = 0.0
 
 
 class ActiveRequestScorer:
@@ -141,12 +153,34 @@ class ActiveRequestScorer:
                 "cappedMatchIsWhole needs cachedScale (it changes what counts as held)"
             )
         self._capped_whole = params.cappedMatchIsWhole
+        self._band = 1.0 + params.latencyBand if params.latencyBand > 0 else 0.0
         self._tokens = params.unit == "tokens"
         self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
         self._speeds: list[float] = []
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        self._score(request, candidates, out)
+        if self._band:
+            self._outside_band(request, candidates, out)
+
+    def _outside_band(
+        self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]
+    ) -> None:
+        """latencyBand: 0 for every candidate the latency estimate puts past the band."""
+        costs = request.state.get(PREDICTED_COST)
+        if not isinstance(costs, dict):
+            return
+        known = [costs[e.id] for e in candidates if e.id in costs]
+        if not known:
+            return
+        limit = self._band * min(known)
+        for i, endpoint in enumerate(candidates):
+            cost = costs.get(endpoint.id)
+            if cost is not None and cost > limit:
+                out[i] = 0.0
+
+    def _score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         in_flight = self._in_flight
         hardware = self._hardware
         free = self._free

@@ -158,7 +158,7 @@ from typing import Annotated, ClassVar
 from kv_picker.decode import NonNegative, Positive, Range
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import Endpoint, LLMRequest
-from kv_picker.scheduling.signals import cached_tokens, prompt_tokens
+from kv_picker.scheduling.signals import PREDICTED_COST, cached_tokens, prompt_tokens
 
 _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at all
 
@@ -301,3 +301,7 @@ class PredictedLatencyScorer:
         best = min(predictions)
         for i, predicted in enumerate(predictions):
             out[i] = best / predicted
+        request.state[PREDICTED_COST] = {
+            endpoint.id: predicted
+            for endpoint, predicted in zip(candidates, predictions, strict=True)
+        }

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kv_picker.decode import decode
 from kv_picker.errors import ConfigError
-from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
+from kv_picker.scheduling.signals import PREDICTED_COST, PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.active_request import ActiveRequestParams, ActiveRequestScorer
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import make_context, make_director, make_request, make_scheduler, make_store
@@ -306,3 +306,76 @@ def test_the_prompt_scales_need_tokens(name: str) -> None:
         make_scheduler(document, make_store(2))
     with pytest.raises(ConfigError, match=name):
         decode(ActiveRequestParams, {"unit": "tokens", name: -1}, "parameters")
+
+
+def test_latency_band_zeroes_the_candidates_the_estimate_puts_past_it() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    params = decode(ActiveRequestParams, {"unit": "tokens", "latencyBand": 1.0}, "parameters")
+    banded = ActiveRequestScorer("a", params, make_context(store))
+    plain = ActiveRequestScorer("a", ActiveRequestParams(unit="tokens"), make_context(store))
+    request = make_request()
+    # Endpoint 0 is the fastest to the first token; 1 is three times slower, 2 exactly twice.
+    request.state[PREDICTED_COST] = {0: 0.1, 1: 0.3, 2: 0.2}
+    out, base = [0.0] * 3, [0.0] * 3
+    banded.score(request, store.all(), out)
+    plain.score(request, store.all(), base)
+    assert base == pytest.approx([0.0, 1.0, 2 / 3])
+    # Past twice the fastest's TTFT, in-flight spreading gives nothing; at the band's edge and
+    # within it the score is as without the option.
+    assert out == pytest.approx([0.0, 0.0, 2 / 3])
+
+
+def test_latency_band_without_the_estimate_changes_nothing() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    params = decode(ActiveRequestParams, {"unit": "tokens", "latencyBand": 0.5}, "parameters")
+    banded = ActiveRequestScorer("a", params, make_context(store))
+    request = make_request()
+    out = [0.0] * 3
+    banded.score(request, store.all(), out)  # no predicted-latency-scorer ran
+    assert out == pytest.approx([0.0, 1.0, 2 / 3])
+    request.state[PREDICTED_COST] = {7: 0.1}  # another profile's candidates only
+    banded.score(request, store.all(), out)
+    assert out == pytest.approx([0.0, 1.0, 2 / 3])
+    with pytest.raises(ConfigError, match="latencyBand"):
+        decode(ActiveRequestParams, {"latencyBand": -0.5}, "parameters")
+
+
+def test_latency_band_keeps_a_request_with_the_holder_the_estimate_prefers() -> None:
+    # The latency scorer publishes its ranking cost, the in-flight scorer after it reads it: a
+    # request whose context endpoint 0 holds stays there although endpoint 1 is idle, once
+    # endpoint 1 is predicted past the band (it would prefill the whole context).
+    def document(band: float) -> dict[str, object]:
+        return {
+            "plugins": [
+                {"type": "prefix-cache-scorer", "parameters": {"maxPrefixBlocksToMatch": 2048}},
+                {"type": "predicted-latency-scorer"},
+                {
+                    "type": "active-request-scorer",
+                    "parameters": {"unit": "tokens", "latencyBand": band},
+                },
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                        {"pluginRef": "predicted-latency-scorer", "weight": 1},
+                        {"pluginRef": "active-request-scorer", "weight": 4},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        }
+
+    stayed = {}
+    for band in (0.0, 1.0):
+        director = make_director(document(band), make_store(2))
+        context = "the same long document, over and over. " * 2000
+        first = director.route(make_request(context + "first question?", request_id="a"))
+        first.first_byte()  # its holder now decodes that context; a question about it arrives
+        second = director.route(make_request(context + "second question?", request_id="b"))
+        stayed[band] = second.endpoint is first.endpoint
+    assert stayed == {0.0: False, 1.0: True}
