@@ -168,9 +168,11 @@ class ActiveRequestScorer:
         self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]
     ) -> None:
         """latencyBand: 0 for every candidate the latency estimate puts past the band."""
-        costs = request.state.get(PREDICTED_COST)
-        if not isinstance(costs, dict):
+        published = request.state.get(PREDICTED_COST)
+        if not isinstance(published, tuple):
             return
+        scored, predictions = published
+        costs = {endpoint.id: cost for endpoint, cost in zip(scored, predictions, strict=True)}
         known = [costs[e.id] for e in candidates if e.id in costs]
         if not known:
             return

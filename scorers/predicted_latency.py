@@ -301,7 +301,5 @@ class PredictedLatencyScorer:
         best = min(predictions)
         for i, predicted in enumerate(predictions):
             out[i] = best / predicted
-        request.state[PREDICTED_COST] = {
-            endpoint.id: predicted
-            for endpoint, predicted in zip(candidates, predictions, strict=True)
-        }
+        # Published as is (two references): only active-request-scorer's latencyBand reads it.
+        request.state[PREDICTED_COST] = (candidates, predictions)

@@ -13,9 +13,9 @@ from kv_picker.request import LLMRequest
 
 PREFIX_MATCH = "signals.prefix_match"
 PROMPT_TOKENS = "signals.prompt_tokens"
-# predicted-latency-scorer's ranking cost per candidate (endpoint id -> seconds: the predicted
-# time to first token, with the decode excess and miss cost it adds), for the active-request
-# scorer's latencyBand.
+# predicted-latency-scorer's ranking cost per candidate: (the candidates, their costs in the same
+# order), each the predicted time to first token in seconds with the decode excess and miss cost
+# it adds; for the active-request scorer's latencyBand.
 PREDICTED_COST = "signals.predicted_cost"
 
 # Without a tokenizer, English text averages about four characters per token.

@@ -316,7 +316,7 @@ def test_latency_band_zeroes_the_candidates_the_estimate_puts_past_it() -> None:
     plain = ActiveRequestScorer("a", ActiveRequestParams(unit="tokens"), make_context(store))
     request = make_request()
     # Endpoint 0 is the fastest to the first token; 1 is three times slower, 2 exactly twice.
-    request.state[PREDICTED_COST] = {0: 0.1, 1: 0.3, 2: 0.2}
+    request.state[PREDICTED_COST] = (store.all(), [0.1, 0.3, 0.2])
     out, base = [0.0] * 3, [0.0] * 3
     banded.score(request, store.all(), out)
     plain.score(request, store.all(), base)
@@ -335,7 +335,8 @@ def test_latency_band_without_the_estimate_changes_nothing() -> None:
     out = [0.0] * 3
     banded.score(request, store.all(), out)  # no predicted-latency-scorer ran
     assert out == pytest.approx([0.0, 1.0, 2 / 3])
-    request.state[PREDICTED_COST] = {7: 0.1}  # another profile's candidates only
+    other = make_store(9).all()[7:]
+    request.state[PREDICTED_COST] = (other, [0.1, 0.1])  # another profile's candidates only
     banded.score(request, store.all(), out)
     assert out == pytest.approx([0.0, 1.0, 2 / 3])
     with pytest.raises(ConfigError, match="latencyBand"):
