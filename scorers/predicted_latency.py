@@ -93,6 +93,26 @@ On the routing matrix's tuning families, at 0.2 and 1 and with the in-flight sco
 halved or not, it passed fewer cells than the default every time (``benchmarks/RESULTS.md``
 section 1): the default does not set it.
 
+``saturatedMissCost`` (0: off) prices a miss only once every candidate has a queue: with ``q``
+the fewest prefills this picker has queued on any candidate (``Q_requests``, 0 while any
+candidate has none),
+
+```
+cost(e)       = ttft(e) + saturatedMissCost * q * own_work_s(e)
+```
+
+Below saturation some endpoint is free, ``q`` is 0 and nothing changes: a prompt computed again
+costs only the request itself, which ``ttft`` already prices. Past it, every later request
+waits for that work wherever it lands, so a request whose prompt one endpoint holds stays there
+unless the queues differ by more than ``q`` times what moving would compute.
+
+``missExcess`` (off) counts each candidate's miss cost (``missCost``'s and
+``saturatedMissCost``'s) in excess of the least among the candidates, as ``decodeExcess`` does
+for the decode term. Where a prompt is cached nowhere its prefill costs about the same
+everywhere, and added as is it raises every candidate's cost alike, pulling the ratios toward 1
+and handing the choice to the other scorers; in excess, only the work a candidate adds beyond
+the best-cached one is priced.
+
 ``ownWaitingAtScrape`` (off) changes which of the picker's own requests ``other_s`` subtracts
 from the scraped ``waiting``: those whose prefill had not finished when that scrape was recorded
 (``Q_requests`` at the scrape), not those now. The scraped count stays until the next scrape,
@@ -145,7 +165,7 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
-``missCost`` (0), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
+``missCost`` (0), ``saturatedMissCost`` (0), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
 """
 
 from __future__ import annotations
@@ -180,6 +200,8 @@ class PredictedLatencyParams:
     decodeMinPromptTokens: Annotated[float, NonNegative] = 0.0
     decodeExcess: bool = False
     missCost: Annotated[float, NonNegative] = 0.0
+    saturatedMissCost: Annotated[float, NonNegative] = 0.0
+    missExcess: bool = False
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
 
@@ -278,6 +300,31 @@ class PredictedLatencyScorer:
         work_s = uncached * self._token_s + uncached * (cached + uncached / 2) * self._pair_s
         return work_s / self._hardware.of(endpoint.labels).prefill_speed
 
+    def _add_miss_costs(
+        self, request: LLMRequest, candidates: Sequence[Endpoint], predictions: list[float]
+    ) -> None:
+        """missCost and saturatedMissCost, each candidate's in excess of the least with
+        missExcess."""
+        params = self.params
+        weights = [0.0] * len(candidates)
+        if params.missCost:
+            in_flight = self._store.in_flight
+            for i, endpoint in enumerate(candidates):
+                weights[i] += params.missCost * in_flight[endpoint.id]
+        if params.saturatedMissCost:
+            queued = self._store.prefill_requests
+            fewest = min(queued[endpoint.id] for endpoint in candidates)
+            if fewest > 0:
+                for i in range(len(candidates)):
+                    weights[i] += params.saturatedMissCost * fewest
+        costs = [
+            weight * self.own_work_s(request, endpoint) if weight else 0.0
+            for weight, endpoint in zip(weights, candidates, strict=True)
+        ]
+        least = min(costs) if params.missExcess else 0.0
+        for i, cost in enumerate(costs):
+            predictions[i] += cost - least
+
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
         params = self.params
@@ -291,13 +338,8 @@ class PredictedLatencyScorer:
             least = min(decodes)
             for i, decode_s in enumerate(decodes):
                 predictions[i] += decode_s - least
-        miss_cost = params.missCost
-        if miss_cost:
-            in_flight = self._store.in_flight
-            for i, endpoint in enumerate(candidates):
-                predictions[i] += (
-                    miss_cost * in_flight[endpoint.id] * self.own_work_s(request, endpoint)
-                )
+        if params.missCost or params.saturatedMissCost:
+            self._add_miss_costs(request, candidates, predictions)
         best = min(predictions)
         for i, predicted in enumerate(predictions):
             out[i] = best / predicted

@@ -287,6 +287,8 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("decodeExcess", "yes"),
         ("missCost", -0.1),
         ("missCost", "high"),
+        ("saturatedMissCost", -1),
+        ("missExcess", "yes"),
         ("ownWaitingAtScrape", "yes"),
         ("queueProgress", -0.5),
         ("queueProgress", 1.5),
@@ -332,6 +334,60 @@ def test_predicted_latency_miss_cost_prices_the_wait_a_miss_imposes_on_its_endpo
         "p", dataclasses.replace(params, remotePrefillTokens=1000), make_context(store)
     )
     assert remote.own_work_s(request, busy) == 0.0
+
+
+def test_predicted_latency_saturated_miss_cost_prices_a_miss_only_once_every_queue_is_busy() -> (
+    None
+):
+    # 10,000 tokens, 1 s to compute on an H100; all cached on the first. 1.5 s queued on the
+    # holder, 0.2 s on the other two: alone, the estimate moves the request.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", "H100", stepSeconds=0, kvReadTokensPerSecond=0
+    )
+    holder, second, third = store.all()
+    store.add_prefill(holder.id, 15_000)
+    store.add_prefill(second.id, 2_000)
+    plain = PredictedLatencyScorer("p", params, make_context(store))
+    priced = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, saturatedMissCost=1.0), make_context(store)
+    )
+    # The third endpoint has nothing queued: below saturation, the plain estimate.
+    assert scores(priced, store, request) == pytest.approx(scores(plain, store, request))
+    assert scores(plain, store, request) == pytest.approx([1.0 / 1.5, 1.0 / 1.2, 1.0])
+    store.add_prefill(third.id, 2_000)
+    store.add_prefill(holder.id, 0)  # two queued on the holder; one on each of the others
+    # Every endpoint has a queue (the fewest: 1): a miss costs its prefill once more.
+    out = scores(priced, store, request)
+    # holder 1.5 s; the others 0.2 + 1 + 1 * 1 * 1 = 2.2 s.
+    assert out[0] == 1.0 and out[1] == pytest.approx(1.5 / 2.2)
+    # Without the option the same queues move it: 1.2 s elsewhere against the holder's 1.5 s.
+    assert scores(plain, store, request) == pytest.approx([1.2 / 1.5, 1.0, 1.0])
+
+
+def test_predicted_latency_miss_excess_prices_only_the_work_beyond_the_best_cached() -> None:
+    # Past saturation (every endpoint has one prefill queued), a prompt held by the first
+    # endpoint: in excess, the holder adds nothing and the others their whole prefill, as
+    # without it. Held by nobody: as is, every candidate's cost grows by the same second and
+    # the ratios move toward 1; in excess, the ranking is the plain estimate's.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", "H100", stepSeconds=0, kvReadTokensPerSecond=0
+    )
+    holder, second, third = store.all()
+    for endpoint, tokens in ((holder, 15_000), (second, 2_000), (third, 4_000)):
+        store.add_prefill(endpoint.id, tokens)
+    as_is = dataclasses.replace(params, saturatedMissCost=1.0)
+    excess = dataclasses.replace(as_is, missExcess=True)
+    plain = PredictedLatencyScorer("p", params, make_context(store))
+    added = PredictedLatencyScorer("p", as_is, make_context(store))
+    beyond = PredictedLatencyScorer("p", excess, make_context(store))
+    # Held by the first: costs 1.5 / 2.2 / 2.4 s either way (its own miss costs 0 there).
+    assert scores(beyond, store, request) == pytest.approx(scores(added, store, request))
+    assert scores(beyond, store, request) == pytest.approx([1.0, 1.5 / 2.2, 1.5 / 2.4])
+    request.state[PREFIX_MATCH] = PrefixMatch(16, 625, {})  # held by nobody
+    # Plain: 2.5 / 1.2 / 1.4 s; as is, one second more each: 3.5 / 2.2 / 2.4 s.
+    assert scores(plain, store, request) == pytest.approx([1.2 / 2.5, 1.0, 1.2 / 1.4])
+    assert scores(added, store, request) == pytest.approx([2.2 / 3.5, 1.0, 2.2 / 2.4])
+    assert scores(beyond, store, request) == pytest.approx(scores(plain, store, request))
 
 
 def test_predicted_latency_own_waiting_at_scrape_matches_the_count_to_its_own_time() -> None:
