@@ -81,7 +81,9 @@ DEFAULT_SPACE = """\
 # as does recent-work-scorer's decodeSpeedScaled, which seeds slow idle endpoints less;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts, for prompts past decodeMinPromptTokens, counted in excess of the cheapest
-# candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
+# candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess), its
+# saturatedMissCost prices a miss once every endpoint has a queue (in excess of the best-cached
+# candidate's with missExcess; off in the default); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
 # latency estimate see long cached documents whole, which keeps their questions with them, and
 # its cappedMatchIsWhole does so without hashing further, counting a match that reached the limit
 # as the whole prompt).
@@ -112,6 +114,8 @@ dimensions:
   parameter: decodeMinPromptTokens
   choices: [0, 8192, 16384, 32768, 65536]
 - {plugin: predicted-latency-scorer, parameter: decodeExcess, choices: [true, false]}
+- {plugin: predicted-latency-scorer, parameter: saturatedMissCost, choices: [0, 1, 2, 4]}
+- {plugin: predicted-latency-scorer, parameter: missExcess, choices: [false, true]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
 - {plugin: active-request-scorer, parameter: cachedScale, choices: [0, 1, 2, 4, 8]}
