@@ -106,6 +106,10 @@ costs only the request itself, which ``ttft`` already prices. Past it, every lat
 waits for that work wherever it lands, so a request whose prompt one endpoint holds stays there
 unless the queues differ by more than ``q`` times what moving would compute.
 
+``saturatedAbove`` (0) lowers ``q`` by that many: ``q = max(0, fewest - saturatedAbove)``. The
+count includes the prefill each endpoint is computing, so with long prompts every endpoint can
+have one well below saturation; with 1, only the requests waiting behind it count.
+
 ``missExcess`` (off) counts each candidate's miss cost (``missCost``'s and
 ``saturatedMissCost``'s) in excess of the least among the candidates, as ``decodeExcess`` does
 for the decode term. Where a prompt is cached nowhere its prefill costs about the same
@@ -165,7 +169,7 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
-``missCost`` (0), ``saturatedMissCost`` (0), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
+``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
 """
 
 from __future__ import annotations
@@ -202,6 +206,7 @@ class PredictedLatencyParams:
     missCost: Annotated[float, NonNegative] = 0.0
     saturatedMissCost: Annotated[float, NonNegative] = 0.0
     missExcess: bool = False
+    saturatedAbove: Annotated[int, NonNegative] = 0
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
 
@@ -313,7 +318,7 @@ class PredictedLatencyScorer:
                 weights[i] += params.missCost * in_flight[endpoint.id]
         if params.saturatedMissCost:
             queued = self._store.prefill_requests
-            fewest = min(queued[endpoint.id] for endpoint in candidates)
+            fewest = min(queued[endpoint.id] for endpoint in candidates) - params.saturatedAbove
             if fewest > 0:
                 for i in range(len(candidates)):
                     weights[i] += params.saturatedMissCost * fewest

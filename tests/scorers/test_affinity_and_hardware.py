@@ -289,6 +289,7 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("missCost", "high"),
         ("saturatedMissCost", -1),
         ("missExcess", "yes"),
+        ("saturatedAbove", -1),
         ("ownWaitingAtScrape", "yes"),
         ("queueProgress", -0.5),
         ("queueProgress", 1.5),
@@ -362,6 +363,18 @@ def test_predicted_latency_saturated_miss_cost_prices_a_miss_only_once_every_que
     assert out[0] == 1.0 and out[1] == pytest.approx(1.5 / 2.2)
     # Without the option the same queues move it: 1.2 s elsewhere against the holder's 1.5 s.
     assert scores(plain, store, request) == pytest.approx([1.2 / 1.5, 1.0, 1.0])
+    # saturatedAbove 1 counts only the requests waiting behind the prefill being computed:
+    # with one queued on each of the others, none waits, and the plain estimate ranks.
+    above = PredictedLatencyScorer(
+        "p",
+        dataclasses.replace(params, saturatedMissCost=1.0, saturatedAbove=1),
+        make_context(store),
+    )
+    assert scores(above, store, request) == pytest.approx(scores(plain, store, request))
+    for endpoint in (second, third):
+        store.add_prefill(endpoint.id, 0)  # a second one queued behind each
+    # Now one waits everywhere (q = 2 - 1): the others 0.2 + 1 + 1 * 1 * 1 = 2.2 s.
+    assert scores(above, store, request) == pytest.approx([1.0, 1.5 / 2.2, 1.5 / 2.2])
 
 
 def test_predicted_latency_miss_excess_prices_only_the_work_beyond_the_best_cached() -> None:

@@ -357,6 +357,22 @@ def test_the_cached_scale_candidate_was_the_default_before_it() -> None:
             1.0,
             2.0,
         ),
+        (
+            "saturated-above-2",
+            "saturated-miss-excess-2",
+            "predicted-latency-scorer",
+            "saturatedAbove",
+            0,
+            1,
+        ),
+        (
+            "saturated-above-4",
+            "saturated-above-2",
+            "predicted-latency-scorer",
+            "saturatedMissCost",
+            2.0,
+            4.0,
+        ),
     ],
 )
 def test_the_one_option_candidates_are_their_base_with_that_option(
