@@ -81,7 +81,9 @@ and miss cost), which it publishes for the plugins after it; the scorer must run
 same profile, and without it this option does nothing. It answers a failure of the two
 signals added together: on agent loops at light load on four endpoints, the in-flight count
 alone moved requests whose context one endpoint held to endpoints predicted three times slower
-to the first token, which then prefilled the context again.
+to the first token, which then prefilled the context again. On the routing matrix's tuning half
+it passed 114 cells at 1 and 108 at 0.5 against the default's 124 (``benchmarks/RESULTS.md``
+section 1): spreading against the estimate pays on most cells, and the default does not set it.
 
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``

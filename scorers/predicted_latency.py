@@ -117,6 +117,11 @@ everywhere, and added as is it raises every candidate's cost alike, pulling the 
 and handing the choice to the other scorers; in excess, only the work a candidate adds beyond
 the best-cached one is priced.
 
+On the routing matrix, ``saturatedMissCost`` 2 in excess, with ``saturatedAbove`` 0 or 1, passed
+more cells than the default on every draw set it ran on, with a lower TTFT mean, and each time
+failed the rule that judged it on one worst cell (``benchmarks/RESULTS.md`` section 1): the
+default does not set these options.
+
 ``ownWaitingAtScrape`` (off) changes which of the picker's own requests ``other_s`` subtracts
 from the scraped ``waiting``: those whose prefill had not finished when that scrape was recorded
 (``Q_requests`` at the scrape), not those now. The scraped count stays until the next scrape,
