@@ -493,6 +493,10 @@ def picker_retry_policy() -> dict[str, Any]:
     }
 
 
+# How often Envoy health-checks the picker's ports (picker_failure_detection).
+PICKER_HEALTH_CHECK_INTERVAL_S = 1.0
+
+
 def picker_failure_detection() -> dict[str, Any]:
     """Settings of the picker's cluster that let Envoy fail open before it sends a body.
 
@@ -509,8 +513,8 @@ def picker_failure_detection() -> dict[str, Any]:
         "health_checks": [
             {
                 "timeout": "1s",
-                "interval": "1s",
-                "no_traffic_interval": "1s",
+                "interval": f"{PICKER_HEALTH_CHECK_INTERVAL_S:g}s",
+                "no_traffic_interval": f"{PICKER_HEALTH_CHECK_INTERVAL_S:g}s",
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
                 "grpc_health_check": {
@@ -982,6 +986,11 @@ class LocalStack:
             # A picker started again behind a running Envoy: Envoy health-checks the workers'
             # ports (and ejects a port that refused a connection while the picker restarted);
             # until it sees them healthy it fails every request with "no healthy upstream".
+            # Seen healthy twice, a health-check interval apart: a flag read in the moment a
+            # check passed can still turn (an ext_proc stream of the old picker failing late
+            # ejects its port), and one interval later every port has been checked again.
+            self.picker.wait_until(self.envoy_sees_picker_healthy, 30.0, "Envoy to see it healthy")
+            time.sleep(PICKER_HEALTH_CHECK_INTERVAL_S + 0.1)
             self.picker.wait_until(self.envoy_sees_picker_healthy, 30.0, "Envoy to see it healthy")
 
     def envoy_sees_picker_healthy(self) -> bool:
