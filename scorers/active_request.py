@@ -71,7 +71,9 @@ flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); 
 with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no tokenizer ran);
 ``promptScale`` (0: off; needs ``unit: tokens``); ``cachedScale`` (0: off; needs ``unit: tokens``);
 ``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
-terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate).
+terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
+``latencyBandLoad`` (0: off; at most 1; needs ``latencyBand``); ``loadWindowSeconds`` (10);
+``maxNumSeqs`` (0: the load counts pending prefills only).
 
 ``latencyBand`` (0: off): a candidate whose predicted time to first token exceeds
 ``1 + latencyBand`` times the least among the candidates scores 0, so in-flight spreading
@@ -85,6 +87,22 @@ to the first token, which then prefilled the context again. On the routing matri
 it passed 114 cells at 1 and 108 at 0.5 against the default's 124 (``benchmarks/RESULTS.md``
 section 1): spreading against the estimate pays on most cells, and the default does not set it.
 
+``latencyBandLoad`` (0: the band always applies) applies ``latencyBand`` only while the
+candidates are lightly loaded: their load is a moving average (over ``loadWindowSeconds``, 10)
+of the larger of the share of candidates with a prefill pending (sent by this picker and not yet
+answered) and, with ``maxNumSeqs`` set, the candidates' requests in flight over ``maxNumSeqs``
+slots each (set it to the engines' ``--max-num-seqs``). Below the threshold the band applies;
+at or above it, the scorer spreads as without the band. Two kinds of pool never apply it: a P/D
+decode pool (candidates labelled ``llm-d.ai/role: decode``), whose prompts the prefill pool
+computes, so an estimate of prefill there does not say where a decode should run; and, with
+``perHardware``, a pool of mixed decode speeds, where the estimate's time to the first token
+would keep a request on a slow endpoint holding its context. The
+reason: the in-flight count places new contexts over the pool and relieves a holder before its
+queue shows, which pays from the routing matrix's 0.3 load up; on a pool that is mostly idle it
+moves requests off the endpoint holding their context for nothing (at load 0.05, chat on four
+endpoints: 122 moves recomputing a third of the run's uncached tokens, the latency estimate
+against nearly all of them).
+
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
 taken over the loads so reduced. On a lightly loaded pool, where every endpoint holds less than
@@ -94,12 +112,13 @@ estimate); past it, differences count as without it. Not set in the built-in def
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
-from kv_picker.decode import NonNegative, Positive
-from kv_picker.endpoint import Endpoint
+from kv_picker.decode import NonNegative, Positive, Range
+from kv_picker.endpoint import ROLE_LABEL, Endpoint
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import LLMRequest
 from kv_picker.scheduling.signals import (
@@ -125,6 +144,9 @@ class ActiveRequestParams:
     cappedMatchIsWhole: bool = False
     freeLoad: Annotated[float, NonNegative] = 0.0
     latencyBand: Annotated[float, NonNegative] = 0.0
+    latencyBandLoad: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
+    loadWindowSeconds: Annotated[float, Positive] = 10.0
+    maxNumSeqs: Annotated[int, NonNegative] = 0
 
 
 class ActiveRequestScorer:
@@ -160,11 +182,50 @@ class ActiveRequestScorer:
         self._chars_per_token = params.charsPerToken
         self._loads: list[float] = []
         self._speeds: list[float] = []
+        self._band_load = params.latencyBandLoad
+        if params.latencyBandLoad and not params.latencyBand:
+            raise ValueError("latencyBandLoad needs latencyBand (it says when the band applies)")
+        self._window_s = params.loadWindowSeconds
+        self._store = store
+        self._seqs = params.maxNumSeqs
+        self._busy = 1.0  # no measurement yet: spread in full
+        self._busy_s = -1.0
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         self._score(request, candidates, out)
-        if self._band:
+        if self._band and (not self._band_load or self._band_applies(candidates)):
             self._outside_band(request, candidates, out)
+
+    def _band_applies(self, candidates: Sequence[Endpoint]) -> bool:
+        """latencyBandLoad: the band applies on a pool that prefills, below that load."""
+        if any(e.labels.get(ROLE_LABEL) == "decode" for e in candidates):
+            return False  # a P/D decode pool: its prompts are computed by the prefill pool
+        hardware = self._hardware
+        if hardware is not None:
+            speed = hardware.of(candidates[0].labels).decode_speed
+            if any(hardware.of(e.labels).decode_speed != speed for e in candidates):
+                return False  # mixed hardware: a first token is not the whole of a request
+        return self._pool_load(candidates) < self._band_load
+
+    def _pool_load(self, candidates: Sequence[Endpoint]) -> float:
+        """The candidates' load, a moving average over loadWindowSeconds (see the module
+        docstring)."""
+        store = self._store
+        queued = store.prefill_requests
+        busy = sum(1 for e in candidates if queued[e.id]) / len(candidates)
+        if self._seqs:
+            running = store.in_flight
+            busy = max(
+                busy, sum(running[e.id] for e in candidates) / (self._seqs * len(candidates))
+            )
+        now = store.now()
+        if self._busy_s < 0.0:
+            self._busy = busy
+        else:
+            keep = math.exp(-max(0.0, now - self._busy_s) / self._window_s)
+            self._busy = busy + keep * (self._busy - busy)
+        self._busy_s = now
+        return self._busy
 
     def _outside_band(
         self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]

@@ -7,11 +7,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_picker.decode import decode
+from kv_picker.endpoint import ROLE_LABEL
 from kv_picker.errors import ConfigError
 from kv_picker.scheduling.signals import PREDICTED_COST, PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.active_request import ActiveRequestParams, ActiveRequestScorer
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
-from tests.fakes import make_context, make_director, make_request, make_scheduler, make_store
+from tests.fakes import (
+    ManualClock,
+    make_context,
+    make_director,
+    make_request,
+    make_scheduler,
+    make_store,
+)
 
 
 def scores(scorer: ActiveRequestScorer, store_size: int, store: object) -> list[float]:
@@ -380,3 +388,77 @@ def test_latency_band_keeps_a_request_with_the_holder_the_estimate_prefers() -> 
         second = director.route(make_request(context + "second question?", request_id="b"))
         stayed[band] = second.endpoint is first.endpoint
     assert stayed == {0.0: False, 1.0: True}
+
+
+def _gated(store: object, load: float = 0.1, **extra: object) -> ActiveRequestScorer:
+    fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandLoad": load, "maxNumSeqs": 4}
+    params = decode(ActiveRequestParams, {**fields, **extra}, "parameters")
+    return ActiveRequestScorer("a", params, make_context(store))  # type: ignore[arg-type]
+
+
+def _banded_scores(scorer: ActiveRequestScorer, store: object) -> list[float]:
+    request = make_request()
+    # Endpoint 0 holds the request's context: three times faster to the first token.
+    request.state[PREDICTED_COST] = (store.all(), [0.1, 0.3, 0.3])  # type: ignore[attr-defined]
+    out = [0.0] * 3
+    scorer.score(request, store.all(), out)  # type: ignore[attr-defined]
+    return out
+
+
+def test_latency_band_load_applies_the_band_only_on_a_lightly_loaded_pool() -> None:
+    clock = ManualClock()
+    store = make_store(3, clock=clock)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    scorer = _gated(store, load=0.2)
+    # One request in flight of 4 slots on each of 3 endpoints: a load of 0.25.
+    store.in_flight[:3] = [1, 1, 1]
+    assert _banded_scores(scorer, store) == pytest.approx([0.0, 1.0, 2 / 3])
+    # Ten seconds later the pool is idle; the moving average falls below 0.2 within a window.
+    store.in_flight[:3] = [0, 0, 0]
+    clock.advance(10.0)
+    assert _banded_scores(scorer, store) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_latency_band_load_counts_the_share_with_a_prefill_pending() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    scorer = _gated(store, load=0.5)
+    store.add_prefill(0, 1000)
+    store.add_prefill(1, 1000)  # two of three candidates are prefilling: load 2/3
+    assert _banded_scores(scorer, store) == pytest.approx([0.0, 1.0, 2 / 3])
+    light = _gated(store, load=0.7)
+    assert _banded_scores(light, store) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_latency_band_load_leaves_decode_pools_and_mixed_hardware_alone() -> None:
+    decode_pool = make_store(3, labels=[{ROLE_LABEL: "decode"}] * 3)
+    decode_pool.in_flight_tokens[:3] = [30000, 0, 10000]
+    assert _banded_scores(_gated(decode_pool), decode_pool) == pytest.approx([0.0, 1.0, 2 / 3])
+    classes = [{HARDWARE_CLASS_LABEL: c} for c in ("H100", "H100", "A100")]
+    mixed = make_store(3, labels=classes)
+    mixed.in_flight_tokens[:3] = [30000, 0, 10000]
+    scorer = _gated(mixed, perHardware=True)
+    plain = ActiveRequestScorer(
+        "p", ActiveRequestParams(unit="tokens", perHardware=True), make_context(mixed)
+    )
+    assert _banded_scores(scorer, mixed) == pytest.approx(_banded_scores(plain, mixed))
+    one_class = make_store(3, labels=[{HARDWARE_CLASS_LABEL: "H100"}] * 3)
+    one_class.in_flight_tokens[:3] = [30000, 0, 10000]
+    assert _banded_scores(_gated(one_class, perHardware=True), one_class) == pytest.approx(
+        [0.0, 0.0, 0.0]
+    )
+
+
+def test_latency_band_load_needs_the_band_and_a_load_in_range() -> None:
+    document = {
+        "plugins": [
+            {"type": "active-request-scorer", "parameters": {"latencyBandLoad": 0.1}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match="latencyBandLoad needs latencyBand"):
+        make_scheduler(document, make_store(2))
+    bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("maxNumSeqs", -1)]
+    for field, value in [*bad, ("loadWindowSeconds", 0)]:
+        with pytest.raises(ConfigError, match=field):
+            decode(ActiveRequestParams, {field: value}, "parameters")

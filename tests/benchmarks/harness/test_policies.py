@@ -389,6 +389,21 @@ def test_the_one_option_candidates_are_their_base_with_that_option(
     assert replace(after, **{option: off}) == before
 
 
+@pytest.mark.parametrize(("name", "load"), [("light-band-01", 0.1), ("light-band-005", 0.05)])
+def test_the_light_band_candidates_are_the_default_with_a_band_below_a_load(
+    name: str, load: float
+) -> None:
+    # results/candidates/light-load-band/ judges each as seeding-decode-scaled.yaml with
+    # active-request-scorer's latencyBand 1 applied below a load, counted over 64 slots.
+    kind, before, after = _one_changed_plugin(
+        f"q={PROFILES / (name + '.yaml')}", f"b={PROFILES / 'seeding-decode-scaled.yaml'}"
+    )
+    assert kind == "active-request-scorer"
+    options = {"latencyBand": 1.0, "latencyBandLoad": load, "maxNumSeqs": 64}
+    assert {k: getattr(after, k) for k in options} == options
+    assert replace(before, **options) == after
+
+
 @pytest.mark.parametrize("tokens", [64, 150])
 def test_the_decode_excess_candidates_are_capped_whole_with_the_long_prompt_decode_term(
     tokens: int,
