@@ -373,6 +373,22 @@ def test_the_cached_scale_candidate_was_the_default_before_it() -> None:
             2.0,
             4.0,
         ),
+        (
+            "light-band-w2-01",
+            "light-band-01",
+            "active-request-scorer",
+            "loadWindowSeconds",
+            10.0,
+            2.0,
+        ),
+        (
+            "light-band-w2-005",
+            "light-band-005",
+            "active-request-scorer",
+            "loadWindowSeconds",
+            10.0,
+            2.0,
+        ),
     ],
 )
 def test_the_one_option_candidates_are_their_base_with_that_option(
