@@ -863,7 +863,7 @@ def plot_default_heatmap(results: Sequence[CellResult], path: Path) -> None:
     image = axes.imshow(values, aspect="auto", cmap="RdYlGn_r", vmin=1.0, vmax=1.5)
     axes.set_xticks(range(len(loads)), [f"{load:g}" for load in loads])
     axes.set_yticks(range(len(rows)), [" / ".join(row) for row in rows], fontsize=7)
-    axes.set_xlabel("offered load (of prefill capacity)")
+    axes.set_xlabel("offered load (share of the binding resource)")
     axes.set_title(
         f"{DEFAULT_POLICY}: worst ratio to the best policy per cell\n"
         "(TTFT mean, p90, best ÷ throughput; * nobody passes)",
@@ -952,8 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loads",
         default=",".join(f"{load:g}" for load in DEFAULT_LOADS),
-        help="offered loads as fractions of the cluster's prefill capacity (default "
-        "0.3,0.6,0.9,1.2)",
+        help="offered loads as fractions of the cluster's capacity: the share of its binding "
+        "resource, prefill or decode, a perfect router keeps busy (default 0.3,0.6,0.9,1.2)",
     )
     parser.add_argument(
         "--clusters",
