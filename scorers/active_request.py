@@ -192,8 +192,8 @@ class ActiveRequestScorer:
         self._window_s = params.loadWindowSeconds
         self._store = store
         self._seqs = params.maxNumSeqs
-        self._busy = 1.0  # no measurement yet: spread in full
-        self._busy_s = -1.0
+        self._busy = 0.0  # the load's moving average, from the first sample on
+        self._busy_s = -1.0  # when it was last sampled (-1: never)
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         self._score(request, candidates, out)
