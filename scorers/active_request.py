@@ -103,9 +103,9 @@ moves requests off the endpoint holding their context for nothing (at load 0.05,
 endpoints: 122 moves recomputing a third of the run's uncached tokens, the latency estimate
 against nearly all of them). Judged over five loads (0.05 and the matrix's four) with the band
 at 1, ``maxNumSeqs`` 64 and thresholds 0.1 and 0.05, it passed more cells than the default on
-every draw set, with a 4-5% lower TTFT mean at 0.05, but 0.1-0.8% higher at the standard loads
-on the draws that judged it, which its rules did not allow (``benchmarks/RESULTS.md`` section
-1): the default does not set it.
+every draw set, with a 4-6% lower TTFT mean at 0.05, but on the tuning families 0.5-0.8%
+higher at the standard loads on each of the three draw sets that judged it, more than the
+judgement's own noise (``benchmarks/RESULTS.md`` section 1): the default does not set it.
 
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
