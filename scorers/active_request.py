@@ -130,7 +130,6 @@ from kv_picker.scheduling.signals import (
     PREDICTED_COST,
     PREFIX_MATCH,
     PrefixMatch,
-    cached_tokens,
     prompt_tokens,
 )
 
@@ -290,16 +289,18 @@ class ActiveRequestScorer:
         if self._prompt_scale > 0:
             span = max(span, self._prompt_scale * prompt_tokens(request, self._chars_per_token))
         if self._cached_scale > 0:
-            held = max(cached_tokens(request, endpoint.id) for endpoint in candidates)
-            if self._capped_whole and held > 0:
-                match = request.state.get(PREFIX_MATCH)
-                if (
-                    isinstance(match, PrefixMatch)
-                    and match.capped
-                    and held >= match.total_blocks * match.block_tokens
-                ):
-                    # The holder has every block that was looked up; a cached context is
-                    # cached as a whole, so moving would recompute the whole prompt.
-                    held = max(held, prompt_tokens(request, self._chars_per_token))
+            match = request.state.get(PREFIX_MATCH)
+            if not isinstance(match, PrefixMatch):
+                return span  # no prefix scorer ran: nothing counts as held
+            held = match.most_cached_tokens([endpoint.id for endpoint in candidates])
+            if (
+                self._capped_whole
+                and held > 0
+                and match.capped
+                and held >= match.total_blocks * match.block_tokens
+            ):
+                # The holder has every block that was looked up; a cached context is
+                # cached as a whole, so moving would recompute the whole prompt.
+                held = max(held, prompt_tokens(request, self._chars_per_token))
             span = max(span, self._cached_scale * held)
         return span

@@ -7,6 +7,7 @@ what the latency-predicting scorer needs to estimate uncached prefill work.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kv_picker.request import LLMRequest
@@ -46,7 +47,15 @@ class PrefixMatch:
     whole_tokens: float = 0.0
 
     def cached_tokens(self, endpoint_id: int) -> float:
-        blocks = self.matched_blocks.get(endpoint_id, 0)
+        return self._tokens(self.matched_blocks.get(endpoint_id, 0))
+
+    def most_cached_tokens(self, endpoint_ids: Iterable[int]) -> float:
+        """The most prompt tokens any of ``endpoint_ids`` holds: ``max(cached_tokens(i))``
+        with one dictionary read per endpoint (cached tokens grow with the blocks held)."""
+        get = self.matched_blocks.get
+        return self._tokens(max((get(i, 0) for i in endpoint_ids), default=0))
+
+    def _tokens(self, blocks: int) -> float:
         if self.whole_tokens and self.capped and blocks >= self.total_blocks:
             # The prompt's length may be an estimate (characters / 4): never below the match.
             return max(self.whole_tokens, blocks * self.block_tokens)
