@@ -462,3 +462,40 @@ def test_latency_band_load_needs_the_band_and_a_load_in_range() -> None:
     for field, value in [*bad, ("loadWindowSeconds", 0)]:
         with pytest.raises(ConfigError, match=field):
             decode(ActiveRequestParams, {field: value}, "parameters")
+
+
+def test_latency_band_slack_keeps_candidates_within_that_many_seconds() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    request = make_request()
+    # Endpoint 0 is the fastest; 1 is 0.25 s behind it (3.5 times), 2 is 0.05 s behind.
+    request.state[PREDICTED_COST] = (store.all(), [0.02, 0.27, 0.07])
+
+    def scores(slack: float) -> list[float]:
+        fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandSlack": slack}
+        scorer = ActiveRequestScorer(
+            "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+        )
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    # The band alone (twice the fastest, 0.04 s) excludes both others.
+    assert scores(0.0) == pytest.approx([0.0, 0.0, 0.0])
+    # A slack of 0.1 s keeps endpoint 2 (0.05 s behind), not endpoint 1 (0.25 s behind).
+    assert scores(0.1) == pytest.approx([0.0, 0.0, 2 / 3])
+    # Past 0.25 s both are within it, as without the band.
+    assert scores(0.3) == pytest.approx([0.0, 1.0, 2 / 3])
+
+
+def test_latency_band_slack_needs_the_band() -> None:
+    document = {
+        "plugins": [
+            {"type": "active-request-scorer", "parameters": {"latencyBandSlack": 0.1}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match="latencyBandSlack needs latencyBand"):
+        make_scheduler(document, make_store(2))
+    with pytest.raises(ConfigError, match="latencyBandSlack"):
+        decode(ActiveRequestParams, {"latencyBandSlack": -0.1}, "parameters")
