@@ -449,17 +449,21 @@ def test_latency_band_load_leaves_decode_pools_and_mixed_hardware_alone() -> Non
     )
 
 
-def test_latency_band_load_needs_the_band_and_a_load_in_range() -> None:
+@pytest.mark.parametrize("field", ["latencyBandLoad", "latencyBandSlack"])
+def test_the_band_options_need_the_band(field: str) -> None:
     document = {
         "plugins": [
-            {"type": "active-request-scorer", "parameters": {"latencyBandLoad": 0.1}},
+            {"type": "active-request-scorer", "parameters": {field: 0.1}},
             {"type": "max-score-picker"},
         ],
     }
-    with pytest.raises(ConfigError, match="latencyBandLoad needs latencyBand"):
+    with pytest.raises(ConfigError, match=f"{field} needs latencyBand"):
         make_scheduler(document, make_store(2))
-    bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("maxNumSeqs", -1)]
-    for field, value in [*bad, ("loadWindowSeconds", 0)]:
+
+
+def test_the_band_options_take_values_in_range() -> None:
+    bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("latencyBandSlack", -0.1)]
+    for field, value in [*bad, ("maxNumSeqs", -1), ("loadWindowSeconds", 0)]:
         with pytest.raises(ConfigError, match=field):
             decode(ActiveRequestParams, {field: value}, "parameters")
 
@@ -486,16 +490,3 @@ def test_latency_band_slack_keeps_candidates_within_that_many_seconds() -> None:
     assert scores(0.1) == pytest.approx([0.0, 0.0, 2 / 3])
     # Past 0.25 s both are within it, as without the band.
     assert scores(0.3) == pytest.approx([0.0, 1.0, 2 / 3])
-
-
-def test_latency_band_slack_needs_the_band() -> None:
-    document = {
-        "plugins": [
-            {"type": "active-request-scorer", "parameters": {"latencyBandSlack": 0.1}},
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match="latencyBandSlack needs latencyBand"):
-        make_scheduler(document, make_store(2))
-    with pytest.raises(ConfigError, match="latencyBandSlack"):
-        decode(ActiveRequestParams, {"latencyBandSlack": -0.1}, "parameters")
