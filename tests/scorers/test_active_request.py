@@ -178,15 +178,20 @@ def test_own_decode_changes_nothing_on_a_pool_of_one_class(
     assert own == plain
 
 
-def test_own_decode_without_per_hardware_is_a_config_error() -> None:
+def _refused(parameters: dict[str, object], match: str) -> None:
+    """An active-request-scorer with these parameters is a config error matching ``match``."""
     document = {
         "plugins": [
-            {"type": "active-request-scorer", "parameters": {"ownDecode": True}},
+            {"type": "active-request-scorer", "parameters": parameters},
             {"type": "max-score-picker"},
         ],
     }
-    with pytest.raises(ConfigError, match=r"active-request-scorer.*ownDecode needs perHardware"):
+    with pytest.raises(ConfigError, match=match):
         make_scheduler(document, make_store(2))
+
+
+def test_own_decode_without_per_hardware_is_a_config_error() -> None:
+    _refused({"ownDecode": True}, r"active-request-scorer.*ownDecode needs perHardware")
 
 
 @pytest.mark.parametrize("per_hardware", [False, True])
@@ -289,29 +294,12 @@ def test_capped_match_is_whole_counts_a_match_that_reached_the_limit_as_the_whol
 
 
 def test_capped_match_is_whole_needs_cached_scale() -> None:
-    document = {
-        "plugins": [
-            {
-                "type": "active-request-scorer",
-                "parameters": {"unit": "tokens", "cappedMatchIsWhole": True},
-            },
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match="cappedMatchIsWhole needs cachedScale"):
-        make_scheduler(document, make_store(2))
+    _refused({"unit": "tokens", "cappedMatchIsWhole": True}, "cappedMatchIsWhole needs cachedScale")
 
 
 @pytest.mark.parametrize("name", ["promptScale", "cachedScale"])
 def test_the_prompt_scales_need_tokens(name: str) -> None:
-    document = {
-        "plugins": [
-            {"type": "active-request-scorer", "parameters": {name: 2}},
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match=rf"active-request-scorer.*{name} needs unit: tokens"):
-        make_scheduler(document, make_store(2))
+    _refused({name: 2}, rf"active-request-scorer.*{name} needs unit: tokens")
     with pytest.raises(ConfigError, match=name):
         decode(ActiveRequestParams, {"unit": "tokens", name: -1}, "parameters")
 
@@ -451,14 +439,7 @@ def test_latency_band_load_leaves_decode_pools_and_mixed_hardware_alone() -> Non
 
 @pytest.mark.parametrize("field", ["latencyBandLoad", "latencyBandSlack"])
 def test_the_band_options_need_the_band(field: str) -> None:
-    document = {
-        "plugins": [
-            {"type": "active-request-scorer", "parameters": {field: 0.1}},
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match=f"{field} needs latencyBand"):
-        make_scheduler(document, make_store(2))
+    _refused({field: 0.1}, f"{field} needs latencyBand")
 
 
 def test_the_band_options_take_values_in_range() -> None:
