@@ -69,17 +69,22 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------ parsers
 
 
-def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True) -> None:
+def add_trace_arguments(
+    parser: argparse.ArgumentParser, with_load: bool = True, with_cell: bool = False
+) -> None:
     """Adds ``--trace``, ``--first``, ``--window`` and (unless a sweep) ``--load``.
 
     Args:
         parser: The command's parser.
         with_load: Add ``--load`` (a sweep has ``--loads`` instead).
+        with_cell: Add ``--cell`` and ``--family-seed`` as the other way to name the requests
+            (and the cluster): one routing-matrix cell. ``--trace`` is then optional, and the
+            command checks that exactly one of the two is given (:func:`check_cell_arguments`).
     """
     group = parser.add_argument_group("trace")
     group.add_argument(
         "--trace",
-        required=True,
+        required=not with_cell,
         metavar="SPEC",
         help="a trace file (Mooncake JSONL or kv-picker JSONL, detected from the first line), "
         f"a trace NAME found as NAME_trace.jsonl or NAME.jsonl in ${TRACES_ENV} (default: "
@@ -95,6 +100,22 @@ def add_trace_arguments(parser: argparse.ArgumentParser, with_load: bool = True)
         metavar="START:END",
         help="keep requests arriving in [START, END) seconds of trace time (applied before --first)",
     )
+    if with_cell:
+        group.add_argument(
+            "--cell",
+            metavar="FAMILY/LOAD/CLUSTER/TIMING",
+            help="instead of --trace and the cluster flags: one cell of 'kv-picker bench matrix', "
+            "its requests at its load on its cluster, e.g. zipf-prefix/0.3/small4/"
+            "llama-3.1-8b-h100 (the pd cluster runs offline only; --first N keeps its first N "
+            "requests)",
+        )
+        group.add_argument(
+            "--family-seed",
+            type=int,
+            default=None,
+            metavar="N",
+            help="with --cell: the family's draw, as the matrix's --family-seed (default 1)",
+        )
     if with_load:
         group.add_argument(
             "--load",
@@ -329,7 +350,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         else argparse.HelpFormatter,
     )
     offline = command in ("replay", "sweep")
-    add_trace_arguments(parser, with_load=command != "sweep")
+    add_trace_arguments(parser, with_load=command != "sweep", with_cell=not offline)
     if command == "sweep":
         parser.add_argument(
             "--loads",
@@ -343,6 +364,40 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if not offline:
         add_live_arguments(parser, command)
     return parser
+
+
+# The flags --cell replaces: the requests' and the cluster's.
+_CELL_REPLACES = (
+    "window", "load", "endpoints", "endpoint", "timing", "num_gpu_blocks", "block_size",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "scrape_interval",
+    "kv_event_delay", "pd", "pd_threshold_tokens", "transfer_gbps", "kv_bytes_per_token",
+)  # fmt: skip
+
+
+def check_cell_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exactly one of ``--trace`` and ``--cell``; with ``--cell``, none of the flags it sets.
+
+    Raises:
+        UsageError: both or neither given, a flag the cell sets given too, or ``--family-seed``
+            without ``--cell``.
+    """
+    cell = getattr(args, "cell", None)
+    if (args.trace is None) == (cell is None):
+        raise UsageError("give one of --trace and --cell")
+    if cell is None:
+        if args.family_seed is not None:
+            raise UsageError("--family-seed draws a matrix family: it goes with --cell")
+        return
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in _CELL_REPLACES
+        if hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest)
+    ]
+    if given:
+        raise UsageError(
+            f"--cell {cell!r} sets the requests, their load and the cluster; drop "
+            + ", ".join(given)
+        )
 
 
 # ------------------------------------------------------------------------------ values

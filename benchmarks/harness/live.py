@@ -53,6 +53,7 @@ from kv_picker_bench.harness.args import (
     EXIT_OK,
     UsageError,
     build_parser,
+    check_cell_arguments,
     cluster_from_args,
     parse_peer,
     policies_from_args,
@@ -62,6 +63,7 @@ from kv_picker_bench.harness.args import (
     trace_from_args,
 )
 from kv_picker_bench.harness.floors import ideal_caches, ttft_floors
+from kv_picker_bench.harness.matrix import CLUSTERS, DEFAULT_FAMILY_SEED, cell_workload
 from kv_picker_bench.harness.policies import Policy, harness_registry
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
@@ -75,7 +77,7 @@ from kv_picker_bench.harness.report import (
     write_json,
 )
 from kv_picker_bench.harness.simulator import ClusterConfig
-from kv_picker_bench.harness.traces import Trace, prompt_text
+from kv_picker_bench.harness.traces import Trace, prompt_text, slice_trace
 from kv_picker_bench.localstack import (
     LocalStack,
     ManagedProcess,
@@ -533,9 +535,39 @@ def run_live(argv: Sequence[str], command: str) -> int:
     args = parser.parse_args(list(argv))
     if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
         raise UsageError("--time-scale must be a positive number")
+    check_cell_arguments(parser, args)
     started = time.perf_counter()
-    trace = trace_from_args(args, load=args.load)
-    config = cluster_from_args(args)
+    cell_line: list[str] = []
+    cell_json: dict[str, Any] | None = None
+    if args.cell is not None:
+        draw = DEFAULT_FAMILY_SEED if args.family_seed is None else args.family_seed
+        cell, trace, config, load = cell_workload(
+            args.cell, draw, getattr(args, "responses", "full")
+        )
+        if CLUSTERS[cell.cluster].pd:
+            raise UsageError(
+                f"--cell {args.cell!r}: the pd cluster runs offline only (the simulated "
+                "endpoints do not model P/D transfers)"
+            )
+        whole = len(trace.requests)
+        trace = slice_trace(trace, first=args.first)
+        kept = "" if len(trace.requests) == whole else f" (the first {len(trace.requests)})"
+        cell_line = [
+            f"Matrix cell: {cell.label}, draw {draw} (`kv-picker bench matrix --family-seed "
+            f"{draw}`), {whole:,} requests{kept}: prefill load {load.prefill:.2f}, decode load "
+            f"{load.decode:.2f}.",
+            "",
+        ]
+        cell_json = {
+            "cell": cell.label,
+            "draw": draw,
+            "requests": whole,
+            "prefill_load": load.prefill,
+            "decode_load": load.decode,
+        }
+    else:
+        trace = trace_from_args(args, load=args.load)
+        config = cluster_from_args(args)
     if args.pd or any(e.role != "both" for e in config.endpoints):
         raise UsageError(
             f"{command} mode: the simulated endpoints do not model P/D transfers; "
@@ -677,6 +709,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             else "."
         ),
         "",
+        *cell_line,
         f"Cluster: {describe_cluster(scraped)} (simulated endpoints over HTTP on 127.0.0.1).",
         "",
         *scrape_note,
@@ -696,6 +729,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "time_scale": args.time_scale,
             "responses": getattr(args, "responses", "full"),
             "trace": summary,
+            "cell": cell_json,
             "cluster": cluster_json(scraped),
             "picker_scrape_interval_s": {
                 "wall": scrape_wall_s,

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kv_picker.errors import ConfigError
 from kv_picker_bench.harness.args import (
     EXIT_OK,
     UsageError,
@@ -915,6 +916,60 @@ def _timing_overrides(name: str) -> dict[str, Any]:
 
 
 RESPONSES = ("full", "lean", "end-only")
+
+
+def parse_cell(text: str) -> tuple[str, float, str, str]:
+    """``family/load/cluster/timing`` (spaces around the slashes allowed), as the matrix names
+    its cells.
+
+    Raises:
+        ConfigError: a malformed cell or an unknown part, naming the known ones.
+    """
+    parts = [p.strip() for p in text.split("/")]
+    if len(parts) != 4 or not all(parts):
+        raise ConfigError(
+            f"cell {text!r}: expected family/load/cluster/timing, "
+            "e.g. long-doc-qa/0.3/small4/llama-3.1-70b-h100-tp4"
+        )
+    family, load_text, cluster, timing = parts
+    for name, known, what in (
+        (family, FAMILIES, "family"),
+        (cluster, CLUSTERS, "cluster"),
+        (timing, TIMING_PROFILES, "timing profile"),
+    ):
+        if name not in known:
+            raise ConfigError(f"cell {text!r}: unknown {what} {name!r}; known: {', '.join(known)}")
+    try:
+        load = float(load_text)
+    except ValueError:
+        load = math.nan
+    if not (math.isfinite(load) and load > 0):
+        raise ConfigError(f"cell {text!r}: the load must be a positive number, not {load_text!r}")
+    if CLUSTERS[cluster].pd and not FAMILIES[family].long_prompts:
+        long = ", ".join(name for name, f in FAMILIES.items() if f.long_prompts)
+        raise ConfigError(
+            f"cell {text!r}: the matrix has no pd cell for {family} (its prompts are too short "
+            f"to disaggregate); pd cells: {long}"
+        )
+    return family, load, cluster, timing
+
+
+def cell_workload(
+    cell_text: str, draw: int = DEFAULT_FAMILY_SEED, responses: str = "full"
+) -> tuple[Cell, Trace, ClusterConfig, Load]:
+    """One matrix cell's requests (at its load) and cluster, as ``kv-picker bench matrix``
+    builds them for ``--family-seed draw``, and the load they offer.
+
+    Raises:
+        ConfigError: a bad cell (:func:`parse_cell`).
+        TraceError: the family cannot build its trace.
+    """
+    family, load, cluster, timing = parse_cell(cell_text)
+    plan = plan_matrix(
+        [family], [load], [cluster], [timing], [], False, cluster_overrides(responses), draw
+    )
+    cell = plan.cells[0]
+    return cell, plan.traces[cell], plan.configs[cell], plan.loads[cell]
 
 
 def cluster_overrides(responses: str) -> Callable[[str], dict[str, Any]]:

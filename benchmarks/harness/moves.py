@@ -54,14 +54,13 @@ from kv_picker_bench.harness.matrix import (
     CLUSTERS,
     DEFAULT_FAMILY_SEED,
     DEFAULT_POLICY,
-    FAMILIES,
     cluster_overrides,
+    parse_cell,
     plan_matrix,
 )
 from kv_picker_bench.harness.policies import Policy, harness_registry, resolve_policy
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator
 from kv_picker_bench.harness.traces import TraceError, TraceRequest
-from kv_picker_bench.sim.timing import TIMING_PROFILES
 
 
 @dataclass(slots=True)
@@ -134,42 +133,6 @@ class MovesReport:
     def unseen(self) -> int:
         """Moves where the picker's match saw less at the holder than it held."""
         return sum(1 for m in self.moves if not m.seen_at_holder >= m.holder_tokens)
-
-
-def parse_cell(text: str) -> tuple[str, float, str, str]:
-    """``family/load/cluster/timing`` (spaces around the slashes allowed), as the matrix names
-    its cells.
-
-    Raises:
-        ConfigError: a malformed cell or an unknown part, naming the known ones.
-    """
-    parts = [p.strip() for p in text.split("/")]
-    if len(parts) != 4 or not all(parts):
-        raise ConfigError(
-            f"cell {text!r}: expected family/load/cluster/timing, "
-            "e.g. long-doc-qa/0.3/small4/llama-3.1-70b-h100-tp4"
-        )
-    family, load_text, cluster, timing = parts
-    for name, known, what in (
-        (family, FAMILIES, "family"),
-        (cluster, CLUSTERS, "cluster"),
-        (timing, TIMING_PROFILES, "timing profile"),
-    ):
-        if name not in known:
-            raise ConfigError(f"cell {text!r}: unknown {what} {name!r}; known: {', '.join(known)}")
-    try:
-        load = float(load_text)
-    except ValueError:
-        load = math.nan
-    if not (math.isfinite(load) and load > 0):
-        raise ConfigError(f"cell {text!r}: the load must be a positive number, not {load_text!r}")
-    if CLUSTERS[cluster].pd and not FAMILIES[family].long_prompts:
-        long = ", ".join(name for name, f in FAMILIES.items() if f.long_prompts)
-        raise ConfigError(
-            f"cell {text!r}: the matrix has no pd cell for {family} (its prompts are too short "
-            f"to disaggregate); pd cells: {long}"
-        )
-    return family, load, cluster, timing
 
 
 def _weights(policy: Policy, profile: str) -> dict[str, float]:

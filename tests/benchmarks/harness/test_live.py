@@ -23,6 +23,7 @@ from kv_picker_bench.harness.live import (
     trace_requests,
 )
 from kv_picker_bench.harness.live import main as live_main
+from kv_picker_bench.harness.matrix import cell_workload
 from kv_picker_bench.harness.peers import main as peers_main
 from kv_picker_bench.harness.policies import harness_registry, resolve_policy
 from kv_picker_bench.harness.report import summarize
@@ -237,3 +238,72 @@ def test_live_refuses_bad_flags_before_starting_anything(
     assert code == 2
     assert message in capsys.readouterr().err
     assert _children() <= before
+
+
+CELL = "zipf-prefix/0.3/small4/llama-3.1-70b-h100-tp4"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cell", CELL, "--trace", TINY], "give one of --trace and --cell"),
+        ([], "give one of --trace and --cell"),
+        (["--cell", CELL, "--endpoints", "2"], "the cluster; drop --endpoints"),
+        (["--cell", CELL, "--load", "2", "--timing", "legacy"], "drop --load, --timing"),
+        (["--trace", TINY, "--family-seed", "2"], "--family-seed draws a matrix family"),
+        (["--cell", "long-doc-qa/0.3/pd/llama-3.1-8b-h100"], "the pd cluster runs offline only"),
+        (["--cell", "nope/0.3/small4/llama-3.1-8b-h100"], "unknown family 'nope'"),
+        (["--cell", "zipf-prefix/0/small4/llama-3.1-8b-h100"], "the load must be a positive"),
+    ],
+    ids=["both", "neither", "cluster", "load and timing", "seed alone", "pd", "family", "load"],
+)
+def test_live_refuses_a_bad_cell_before_starting_anything(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _children()
+    assert live_main(["--quiet", "--policy", "kv-picker", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert _children() <= before
+
+
+def test_a_cell_is_the_matrix_draw_at_its_load() -> None:
+    cell, trace, config, load = cell_workload(CELL, 2)
+    assert cell.label == "zipf-prefix / 0.3 / small4 / llama-3.1-70b-h100-tp4"
+    assert load.binding == pytest.approx(0.3, rel=1e-6)  # decode binds on this cell
+    assert load.prefill < load.decode
+    assert len(config.endpoints) == 4
+    assert config.timing.name == "llama-3.1-70b-h100-tp4"
+    _, other, _, _ = cell_workload(CELL, 3)
+    assert [r.input_tokens for r in trace.requests] != [r.input_tokens for r in other.requests]
+    _, faster, _, doubled = cell_workload(CELL.replace("/0.3/", "/0.6/"), 2)
+    assert doubled.prefill == pytest.approx(2 * load.prefill, rel=1e-6)
+    assert doubled.binding == pytest.approx(0.6, rel=1e-6)
+    assert [r.input_tokens for r in faster.requests] == [r.input_tokens for r in trace.requests]
+
+
+@pytest.mark.skipif(not _have_envoy(), reason="no Envoy binary (the dev extra ships one)")
+def test_live_replays_the_first_requests_of_a_matrix_cell(tmp_path: Path) -> None:
+    out = tmp_path / "cell"
+    argv = ["--cell", CELL, "--family-seed", "2", "--first", "12", "--policy", "kv-picker",
+            "--quiet", "--no-plots", "--out", str(out)]  # fmt: skip
+    assert live_main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    _, trace, _, load = cell_workload(CELL, 2)
+    assert document["cell"] == {
+        "cell": "zipf-prefix / 0.3 / small4 / llama-3.1-70b-h100-tp4",
+        "draw": 2,
+        "requests": len(trace.requests),
+        "prefill_load": pytest.approx(load.prefill, abs=1e-6),
+        "decode_load": pytest.approx(load.decode, abs=1e-6),
+    }
+    assert document["trace"]["requests"] == 12
+    assert len(document["cluster"]["endpoints"]) == 4
+    assert document["cluster"]["timing"]["profile"] == "llama-3.1-70b-h100-tp4"
+    metrics = document["policies"]["kv-picker"]
+    assert metrics["ok"] == 12 and metrics["errors"] == 0
+    report = (out / "results.md").read_text()
+    whole = len(trace.requests)
+    assert (
+        f"draw 2 (`kv-picker bench matrix --family-seed 2`), {whole} requests (the first 12)"
+        in (report)
+    )
