@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -585,24 +585,49 @@ def fallback_cluster(addresses: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def on_cpus(cpus: Collection[int] | None) -> Iterator[None]:
+    """Within the block, the calling thread runs on ``cpus`` (all it had, when None), and so
+    does every process it starts: a child inherits its parent thread's CPU affinity, its own
+    threads and children inherit the child's. Linux only."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class ManagedProcess:
-    """A child process with its output in a log file, stopped for sure on :meth:`stop`."""
+    """A child process with its output in a log file, stopped for sure on :meth:`stop`.
+
+    ``cpus``: the CPUs it (with its threads and children) runs on; by default this process's.
+    """
 
     def __init__(
-        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cpus: Collection[int] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        self.process = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        with on_cpus(cpus):
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -740,6 +765,8 @@ class LocalStack:
         access_log: Envoy writes ``access_log_path`` (see :func:`envoy_bootstrap`).
         responses: what Envoy shows the picker of each response, ``full`` or ``lean`` (see
             :func:`envoy_bootstrap`).
+        router_cpus: the CPUs the picker (with its scrape process) and Envoy run on; by
+            default this process's. The endpoints run on this process's.
     """
 
     def __init__(
@@ -762,10 +789,12 @@ class LocalStack:
         workdir_prefix: str = "kv-picker-stack-",
         access_log: bool = False,
         responses: str = "full",
+        router_cpus: Collection[int] | None = None,
     ) -> None:
         if responses not in RESPONSES:
             raise ValueError(f"responses must be one of {RESPONSES}")
         self.responses = responses
+        self.router_cpus = None if router_cpus is None else frozenset(router_cpus)
         self.discovery = discovery
         self.access_log = access_log
         self.sim_specs = [SimSpec() for _ in range(sims)] if isinstance(sims, int) else list(sims)
@@ -973,7 +1002,9 @@ class LocalStack:
         ]
         if self.picker_workers > 1:  # Envoy balances over the workers' own ports
             argv += ["--worker-ports", ",".join(map(str, self.picker_worker_ports))]
-        self.picker = ManagedProcess("kv-picker", argv, self.workdir / "picker.log")
+        self.picker = ManagedProcess(
+            "kv-picker", argv, self.workdir / "picker.log", cpus=self.router_cpus
+        )
         self.processes.append(self.picker)
         wanted = len(self.sim_addresses) if min_ready is None else min_ready
         metrics_url = f"http://127.0.0.1:{self.picker_metrics_port}/healthz"
@@ -1045,7 +1076,7 @@ class LocalStack:
         argv = [envoy_binary(), "-c", str(path), "--disable-hot-restart",
                 "--log-level", "warn", "--concurrency", "2",
                 "--file-flush-interval-msec", "200"]  # fmt: skip
-        process = ManagedProcess(name, argv, self.workdir / f"{name}.log")
+        process = ManagedProcess(name, argv, self.workdir / f"{name}.log", cpus=self.router_cpus)
         self.processes.append(process)
         admin = f"http://127.0.0.1:{admin_port}/ready"
         process.wait_until(lambda: http_get(admin)[0] == 200, 30.0, "readiness")

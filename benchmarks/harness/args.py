@@ -306,6 +306,15 @@ def add_live_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             "offline, scraped as often in model time as live, and the report compares the two)",
         )
     group.add_argument(
+        "--router-cpus",
+        metavar="LIST",
+        default=None,
+        help="run the router (kv-picker with Envoy, or a peer router) on these CPUs and the "
+        "endpoints and the client on the others, e.g. 1 on a 2-core host: each router then "
+        "has CPUs of its own, as in a deployment, and its CPU cost does not slow the endpoints "
+        "(Linux; default: every process shares every CPU)",
+    )
+    group.add_argument(
         "--peer",
         action="append",
         default=[],

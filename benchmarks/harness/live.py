@@ -38,8 +38,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ from kv_picker_bench.localstack import (
     SimSpec,
     free_port,
     http_get,
+    on_cpus,
     tree_cpu_s,
 )
 from kv_picker_bench.workloads import WorkloadRequest
@@ -177,6 +178,9 @@ class LiveRun:
     metrics: PolicyMetrics
     ttft_s: list[float]
     e2e_s: list[float]
+    # The CPUs the router's and the endpoints' processes could run on (Linux), read as the
+    # replay started: what --router-cpus did, not what it asked for.
+    cpus: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _counters(stack: LocalStack) -> list[dict[str, float]]:
@@ -290,6 +294,7 @@ def _replay_target(
     before = _counters(stack)
     requests = trace_requests(trace, stack.model)
     cpu = _CpuClock(router, stack.sim_processes())
+    cpus = {"router": _cpus_of(router), "endpoints": _cpus_of(stack.sim_processes())}
     started = time.perf_counter()
     outcomes, sent_s = asyncio.run(
         replay_open_loop(base_url, requests, args.time_scale, args.timeout, args.keep_alive)
@@ -299,6 +304,7 @@ def _replay_target(
     after = _counters(stack)  # an endpoint counts a request before its last chunk leaves
     scheduled = [arrival_s * args.time_scale for arrival_s, _ in requests]
     run = summarize_live(name, outcomes, before, after, args.time_scale, wall_s)
+    run.cpus = cpus
     # How late the client sent requests (a loaded client distorts the schedule).
     lag = [max(0.0, s - a) for s, a in zip(sent_s, scheduled, strict=True)]
     run.metrics.extra["send_lag_p99_ms"] = 1000 * latency_stats(lag)["p99"]
@@ -315,9 +321,52 @@ def _replay_target(
     return run
 
 
+def _cpus_of(processes: Sequence[ManagedProcess]) -> list[int]:
+    """Every CPU one of ``processes`` may run on (none where that cannot be read)."""
+    cpus: set[int] = set()
+    if hasattr(os, "sched_getaffinity"):
+        for process in processes:
+            with contextlib.suppress(OSError):
+                cpus |= os.sched_getaffinity(process.process.pid)
+    return sorted(cpus)
+
+
 LIVE_MIN_SCRAPE_S = 0.05
 """The shortest scrape period a live run gives the picker, in wall seconds: scraping N
 endpoints over HTTP on the shared host stays cheap."""
+
+
+def split_cpus(text: str | None) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """``--router-cpus`` as (the routers' CPUs, everything else's); (None, None) when not given.
+
+    Raises:
+        UsageError: not a list of CPU numbers this process may run on, or all of them (the
+            endpoints and the client need one left).
+    """
+    if text is None:
+        return None, None
+    if not hasattr(os, "sched_setaffinity"):
+        raise UsageError("--router-cpus needs Linux (sched_setaffinity)")
+    try:
+        wanted = frozenset(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise UsageError(f"--router-cpus {text!r}: expected CPU numbers, e.g. 1 or 2,3") from None
+    allowed = frozenset(os.sched_getaffinity(0))
+    if not wanted or not wanted <= allowed:
+        raise UsageError(
+            f"--router-cpus {text!r}: this process may run on CPUs {_cpu_list(allowed)} only"
+        )
+    rest = allowed - wanted
+    if not rest:
+        raise UsageError(
+            f"--router-cpus {text!r}: leaves no CPU for the endpoints and the client "
+            f"(this process may run on {_cpu_list(allowed)})"
+        )
+    return wanted, rest
+
+
+def _cpu_list(cpus: Collection[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def live_scrape_wall_s(scrape_interval_s: float, time_scale: float) -> float:
@@ -481,9 +530,15 @@ def offline_section(
 
 
 def start_peer(
-    router: str, policy: str, binary: str, urls: Sequence[str], workdir: Path
+    router: str,
+    policy: str,
+    binary: str,
+    urls: Sequence[str],
+    workdir: Path,
+    cpus: Collection[int] | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """Start a peer router on 127.0.0.1 and wait until it reports every worker healthy."""
+    """Start a peer router on 127.0.0.1 (on ``cpus``, by default this process's) and wait until
+    it reports every worker healthy."""
     port = free_port()
     metrics_port = free_port()
     common = [
@@ -507,7 +562,7 @@ def start_peer(
     ]
     argv = [binary, "launch", *common] if router == "sglang-router" else [binary, *common]
     log = workdir / f"{router}-{policy}.log"
-    process = ManagedProcess(f"{router}:{policy}", argv, log)
+    process = ManagedProcess(f"{router}:{policy}", argv, log, cpus=cpus)
     base_url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -536,6 +591,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
     if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
         raise UsageError("--time-scale must be a positive number")
     check_cell_arguments(parser, args)
+    router_cpus, other_cpus = split_cpus(args.router_cpus)
     started = time.perf_counter()
     cell_line: list[str] = []
     cell_json: dict[str, Any] | None = None
@@ -625,6 +681,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
     body_mode = getattr(args, "body_mode", "FULL_DUPLEX_STREAMED")
     runs: list[LiveRun] = []
     stack = LocalStack(
+        router_cpus=router_cpus,
         sims=sims,
         picker_config=documents[0] if documents else {},
         body_mode=body_mode,
@@ -634,35 +691,37 @@ def run_live(argv: Sequence[str], command: str) -> int:
         sim_args=sim_args,
         responses=getattr(args, "responses", "full"),
     )
-    try:
-        if documents:
-            stack.start()
-        else:
-            stack.start_sims()
-        if not args.quiet:
-            print(
-                f"{command}: {len(trace.requests)} requests over {len(sims)} endpoints "
-                f"(time scale {args.time_scale:g}) -> {folder}",
-                file=sys.stderr,
-            )
-        for policy, document in zip(policies, documents, strict=True):
-            stack.start_picker(document)
-            router = [p for p in (stack.picker, stack.envoy) if p is not None]
-            runs.append(_replay_target(stack, policy.name, stack.url, trace, args, router))
-            _progress(args, runs[-1])
-        urls = [f"http://{address}" for address in stack.sim_addresses]
-        for router, policy_name in peers:
-            process, base_url = start_peer(
-                router, policy_name, binaries[router], urls, stack.workdir
-            )
-            try:
-                name = f"{router}:{policy_name}"
-                runs.append(_replay_target(stack, name, base_url, trace, args, [process]))
+    # The endpoints (started below) and the client (this thread) run on the other CPUs.
+    with on_cpus(other_cpus):
+        try:
+            if documents:
+                stack.start()
+            else:
+                stack.start_sims()
+            if not args.quiet:
+                print(
+                    f"{command}: {len(trace.requests)} requests over {len(sims)} endpoints "
+                    f"(time scale {args.time_scale:g}) -> {folder}",
+                    file=sys.stderr,
+                )
+            for policy, document in zip(policies, documents, strict=True):
+                stack.start_picker(document)
+                router = [p for p in (stack.picker, stack.envoy) if p is not None]
+                runs.append(_replay_target(stack, policy.name, stack.url, trace, args, router))
                 _progress(args, runs[-1])
-            finally:
-                process.stop()
-    finally:
-        stack.close()
+            urls = [f"http://{address}" for address in stack.sim_addresses]
+            for router, policy_name in peers:
+                process, base_url = start_peer(
+                    router, policy_name, binaries[router], urls, stack.workdir, router_cpus
+                )
+                try:
+                    name = f"{router}:{policy_name}"
+                    runs.append(_replay_target(stack, name, base_url, trace, args, [process]))
+                    _progress(args, runs[-1])
+                finally:
+                    process.stop()
+        finally:
+            stack.close()
     rows = [run.metrics for run in runs]
     counterpart = None
     if policies and getattr(args, "offline", False):
@@ -712,6 +771,16 @@ def run_live(argv: Sequence[str], command: str) -> int:
         *cell_line,
         f"Cluster: {describe_cluster(scraped)} (simulated endpoints over HTTP on 127.0.0.1).",
         "",
+        *(
+            []
+            if router_cpus is None or other_cpus is None
+            else [
+                f"CPUs: the router (kv-picker and Envoy, or the peer router) on "
+                f"{_cpu_list(router_cpus)}; the endpoints and the client on "
+                f"{_cpu_list(other_cpus)}.",
+                "",
+            ]
+        ),
         *scrape_note,
         markdown_table(rows, bounds, floors.stats()),
         "",
@@ -730,6 +799,8 @@ def run_live(argv: Sequence[str], command: str) -> int:
             "responses": getattr(args, "responses", "full"),
             "trace": summary,
             "cell": cell_json,
+            "router_cpus": None if router_cpus is None else sorted(router_cpus),
+            "process_cpus": {run.metrics.policy: run.cpus for run in runs},
             "cluster": cluster_json(scraped),
             "picker_scrape_interval_s": {
                 "wall": scrape_wall_s,

@@ -307,3 +307,26 @@ def test_live_replays_the_first_requests_of_a_matrix_cell(tmp_path: Path) -> Non
         f"draw 2 (`kv-picker bench matrix --family-seed 2`), {whole} requests (the first 12)"
         in (report)
     )
+
+
+@pytest.mark.skipif(not _have_envoy(), reason="no Envoy binary (the dev extra ships one)")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs (Linux)",
+)
+def test_live_with_the_router_on_cpus_of_its_own(tmp_path: Path) -> None:
+    before = os.sched_getaffinity(0)
+    router = max(before)
+    out = tmp_path / "pinned"
+    argv = [*COMMON, "--policy", "kv-picker", "--router-cpus", str(router), "--out", str(out)]
+    assert live_main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["router_cpus"] == [router]
+    rest_cpus = sorted(before - {router})
+    assert document["process_cpus"]["kv-picker"] == {"router": [router], "endpoints": rest_cpus}
+    assert document["policies"]["kv-picker"]["ok"] == 24
+    rest = ",".join(str(c) for c in rest_cpus)
+    assert (
+        f"on {router}; the endpoints and the client on {rest}." in (out / "results.md").read_text()
+    )
+    assert os.sched_getaffinity(0) == before
