@@ -73,7 +73,8 @@ with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no token
 ``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
 terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
 ``latencyBandLoad`` (0: off; at most 1; needs ``latencyBand``); ``latencyBandSlack`` (0, in
-seconds; needs ``latencyBand``); ``loadWindowSeconds`` (10);
+seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``);
+``loadWindowSeconds`` (10);
 ``maxNumSeqs`` (0: the load counts pending prefills only).
 
 ``latencyBand`` (0: off): a candidate whose predicted time to first token exceeds
@@ -120,6 +121,12 @@ it lowered ``agentic``'s TTFT mean by 11-13% at the 0.3 load and passed 121, 119
 cells against the default's 124 (``benchmarks/RESULTS.md`` section 1): the default does not set
 it.
 
+``latencyBandMinTokens`` (0: every request) applies ``latencyBand`` only to a request of which
+some candidate already holds at least this many prompt tokens (the prefix scorer's match, which
+must run first): the requests a move would make compute a long context again, where the
+latency estimate's verdict is seconds of prefill, while shorter contexts keep spreading as
+without the band. Not set in the built-in default.
+
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
 taken over the loads so reduced. On a lightly loaded pool, where every endpoint holds less than
@@ -162,6 +169,7 @@ class ActiveRequestParams:
     latencyBand: Annotated[float, NonNegative] = 0.0
     latencyBandLoad: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
     latencyBandSlack: Annotated[float, NonNegative] = 0.0
+    latencyBandMinTokens: Annotated[float, NonNegative] = 0.0
     loadWindowSeconds: Annotated[float, Positive] = 10.0
     maxNumSeqs: Annotated[int, NonNegative] = 0
 
@@ -205,6 +213,11 @@ class ActiveRequestScorer:
         self._slack_s = params.latencyBandSlack
         if params.latencyBandSlack and not params.latencyBand:
             raise ValueError("latencyBandSlack needs latencyBand (it widens the band)")
+        self._band_tokens = params.latencyBandMinTokens
+        if params.latencyBandMinTokens and not params.latencyBand:
+            raise ValueError(
+                "latencyBandMinTokens needs latencyBand (it says which requests the band is for)"
+            )
         self._window_s = params.loadWindowSeconds
         self._store = store
         self._seqs = params.maxNumSeqs
@@ -213,8 +226,19 @@ class ActiveRequestScorer:
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         self._score(request, candidates, out)
-        if self._band and (not self._band_load or self._band_applies(candidates)):
+        if (
+            self._band
+            and (not self._band_load or self._band_applies(candidates))
+            and (not self._band_tokens or self._held(request, candidates) >= self._band_tokens)
+        ):
             self._outside_band(request, candidates, out)
+
+    def _held(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> float:
+        """The most prompt tokens a candidate holds for the request (0 with no prefix match)."""
+        match = request.state.get(PREFIX_MATCH)
+        if not isinstance(match, PrefixMatch):
+            return 0.0
+        return float(match.most_cached_tokens([endpoint.id for endpoint in candidates]))
 
     def _band_applies(self, candidates: Sequence[Endpoint]) -> bool:
         """latencyBandLoad: the band applies on a pool that prefills, below that load."""

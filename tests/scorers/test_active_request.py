@@ -437,13 +437,14 @@ def test_latency_band_load_leaves_decode_pools_and_mixed_hardware_alone() -> Non
     )
 
 
-@pytest.mark.parametrize("field", ["latencyBandLoad", "latencyBandSlack"])
+@pytest.mark.parametrize("field", ["latencyBandLoad", "latencyBandSlack", "latencyBandMinTokens"])
 def test_the_band_options_need_the_band(field: str) -> None:
     _refused({field: 0.1}, f"{field} needs latencyBand")
 
 
 def test_the_band_options_take_values_in_range() -> None:
-    bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("latencyBandSlack", -0.1)]
+    bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("latencyBandSlack", -0.1),
+           ("latencyBandMinTokens", -1)]  # fmt: skip
     for field, value in [*bad, ("maxNumSeqs", -1), ("loadWindowSeconds", 0)]:
         with pytest.raises(ConfigError, match=field):
             decode(ActiveRequestParams, {field: value}, "parameters")
@@ -471,3 +472,28 @@ def test_latency_band_slack_keeps_candidates_within_that_many_seconds() -> None:
     assert scores(0.1) == pytest.approx([0.0, 0.0, 2 / 3])
     # Past 0.25 s both are within it, as without the band.
     assert scores(0.3) == pytest.approx([0.0, 1.0, 2 / 3])
+
+
+def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandMinTokens": 16384}
+    scorer = ActiveRequestScorer(
+        "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+    )
+
+    def scores(held_blocks: dict[int, int] | None) -> list[float]:
+        request = make_request()
+        # Endpoint 0 is predicted three times faster to the first token than the others.
+        request.state[PREDICTED_COST] = (store.all(), [0.1, 0.3, 0.3])
+        if held_blocks is not None:
+            request.state[PREFIX_MATCH] = PrefixMatch(16, 2048, held_blocks)
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    unbanded = [0.0, 1.0, 2 / 3]
+    assert scores(None) == pytest.approx(unbanded)  # no prefix scorer ran: nothing is held
+    assert scores({0: 1023, 2: 10}) == pytest.approx(unbanded)  # 16,368 tokens: short of it
+    assert scores({0: 1024}) == pytest.approx([0.0, 0.0, 0.0])  # 16,384: the band applies
+    assert scores({2: 1500}) == pytest.approx([0.0, 0.0, 0.0])  # whichever candidate holds it
