@@ -73,7 +73,8 @@ with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no token
 ``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
 terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
 ``latencyBandLoad`` (0: off; at most 1; needs ``latencyBand``); ``latencyBandSlack`` (0, in
-seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``);
+seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``); ``heldIsFree`` (false; needs
+``unit: tokens``);
 ``loadWindowSeconds`` (10);
 ``maxNumSeqs`` (0: the load counts pending prefills only).
 
@@ -127,6 +128,13 @@ must run first): the requests a move would make compute a long context again, wh
 latency estimate's verdict is seconds of prefill, while shorter contexts keep spreading as
 without the band. Not set in the built-in default.
 
+``heldIsFree`` (``unit: tokens`` only) counts each candidate's tokens in flight less the prompt
+tokens it already holds for the request being placed (the prefix scorer's match, which must run
+first). A question that arrives while its document is still being prefilled on the holder
+then sees the holder as idle as the endpoints that would prefill the whole document again,
+since the work it would wait for there is the work it needs; with several of the context's
+requests in flight, the holder counts all but one copy. Not set in the built-in default.
+
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
 taken over the loads so reduced. On a lightly loaded pool, where every endpoint holds less than
@@ -153,6 +161,9 @@ from kv_picker.scheduling.signals import (
     prompt_tokens,
 )
 
+# Loads read by endpoint id: the store's arrays, or a few candidates' (heldIsFree).
+InFlight = Sequence[float] | dict[int, float]
+
 
 @dataclass(frozen=True)
 class ActiveRequestParams:
@@ -170,6 +181,7 @@ class ActiveRequestParams:
     latencyBandLoad: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
     latencyBandSlack: Annotated[float, NonNegative] = 0.0
     latencyBandMinTokens: Annotated[float, NonNegative] = 0.0
+    heldIsFree: bool = False
     loadWindowSeconds: Annotated[float, Positive] = 10.0
     maxNumSeqs: Annotated[int, NonNegative] = 0
 
@@ -213,6 +225,9 @@ class ActiveRequestScorer:
         self._slack_s = params.latencyBandSlack
         if params.latencyBandSlack and not params.latencyBand:
             raise ValueError("latencyBandSlack needs latencyBand (it widens the band)")
+        self._held_free = params.heldIsFree
+        if params.heldIsFree and params.unit != "tokens":
+            raise ValueError("heldIsFree needs unit: tokens (it subtracts held prompt tokens)")
         self._band_tokens = params.latencyBandMinTokens
         if params.latencyBandMinTokens and not params.latencyBand:
             raise ValueError(
@@ -291,7 +306,9 @@ class ActiveRequestScorer:
                 out[i] = 0.0
 
     def _score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
-        in_flight = self._in_flight
+        in_flight: InFlight = self._in_flight
+        if self._held_free:
+            in_flight = self._less_held(request, candidates, in_flight)
         hardware = self._hardware
         free = self._free
         if hardware is None:
@@ -324,6 +341,20 @@ class ActiveRequestScorer:
         for i, load in enumerate(loads):
             over = load - free
             out[i] = 1.0 if load <= idle or over <= 0.0 else 1.0 - over / span
+
+    def _less_held(
+        self, request: LLMRequest, candidates: Sequence[Endpoint], in_flight: InFlight
+    ) -> InFlight:
+        """heldIsFree: each candidate's tokens in flight less the prompt tokens it holds for
+        this request, by endpoint id (unchanged without a prefix match)."""
+        match = request.state.get(PREFIX_MATCH)
+        if not isinstance(match, PrefixMatch) or not match.matched_blocks:
+            return in_flight
+        reduced: dict[int, float] = {}
+        for endpoint in candidates:
+            count = in_flight[endpoint.id]
+            reduced[endpoint.id] = count - min(count, match.cached_tokens(endpoint.id))
+        return reduced
 
     def _span(self, request: LLMRequest, candidates: Sequence[Endpoint], busiest: float) -> float:
         """The load that counts in full: the busiest candidate's, or the damping scales."""

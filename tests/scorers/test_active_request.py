@@ -497,3 +497,30 @@ def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -
     assert scores({0: 1023, 2: 10}) == pytest.approx(unbanded)  # 16,368 tokens: short of it
     assert scores({0: 1024}) == pytest.approx([0.0, 0.0, 0.0])  # 16,384: the band applies
     assert scores({2: 1500}) == pytest.approx([0.0, 0.0, 0.0])  # whichever candidate holds it
+
+
+def test_held_is_free_counts_in_flight_tokens_less_what_the_candidate_holds() -> None:
+    store = make_store(3)
+    # Endpoint 0 is prefilling a 50,000-token document; a question about it arrives.
+    store.in_flight_tokens[:3] = [50000, 0, 10000]
+
+    def scores(free: bool, held_blocks: dict[int, int] | None) -> list[float]:
+        fields = {"unit": "tokens", "heldIsFree": free}
+        scorer = ActiveRequestScorer(
+            "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+        )
+        request = make_request()
+        if held_blocks is not None:
+            request.state[PREFIX_MATCH] = PrefixMatch(16, 3200, held_blocks)
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    assert scores(False, {0: 3125}) == pytest.approx([0.0, 1.0, 0.8])
+    # The document's 50,000 tokens are the work the question needs: endpoint 0 counts as idle,
+    # and the busiest candidate is now endpoint 2.
+    assert scores(True, {0: 3125}) == pytest.approx([1.0, 1.0, 0.0])
+    # What a candidate holds counts up to its own tokens in flight, never below zero.
+    assert scores(True, {0: 1000, 2: 3000}) == pytest.approx([0.0, 1.0, 1.0])
+    assert scores(True, None) == pytest.approx(scores(False, None))  # no prefix scorer ran
+    _refused({"heldIsFree": True, "unit": "requests"}, "heldIsFree needs unit: tokens")
