@@ -74,7 +74,8 @@ with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no token
 terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
 ``latencyBandLoad`` (0: off; at most 1; needs ``latencyBand``); ``latencyBandSlack`` (0, in
 seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``); ``heldIsFree`` (false; needs
-``unit: tokens``);
+``unit: tokens``); ``heldPendingOnly`` (false; needs ``heldIsFree``);
+``heldMinTokens`` (0; needs ``heldIsFree``);
 ``loadWindowSeconds`` (10);
 ``maxNumSeqs`` (0: the load counts pending prefills only).
 
@@ -133,7 +134,12 @@ tokens it already holds for the request being placed (the prefix scorer's match,
 first). A question that arrives while its document is still being prefilled on the holder
 then sees the holder as idle as the endpoints that would prefill the whole document again,
 since the work it would wait for there is the work it needs; with several of the context's
-requests in flight, the holder counts all but one copy. Not set in the built-in default.
+requests in flight, the holder counts all but one copy. With ``heldPendingOnly`` the tokens
+subtracted are at most the candidate's prompt tokens still waiting for their prefill there (the
+picker's own count): the holder is relieved only while it is computing a context, as when a
+document's first questions arrive together, and counts as without the option once it is cached.
+With ``heldMinTokens`` N, either applies only to a request of which some candidate holds at
+least N prompt tokens. None of the three is set in the built-in default.
 
 ``freeLoad``: each endpoint's first ``freeLoad`` of load (after ``perHardware`` and
 ``ownDecode``) weighs nothing: the score is ``1 - max(0, n - freeLoad) / span``, with ``span``
@@ -182,6 +188,8 @@ class ActiveRequestParams:
     latencyBandSlack: Annotated[float, NonNegative] = 0.0
     latencyBandMinTokens: Annotated[float, NonNegative] = 0.0
     heldIsFree: bool = False
+    heldPendingOnly: bool = False
+    heldMinTokens: Annotated[float, NonNegative] = 0.0
     loadWindowSeconds: Annotated[float, Positive] = 10.0
     maxNumSeqs: Annotated[int, NonNegative] = 0
 
@@ -228,6 +236,12 @@ class ActiveRequestScorer:
         self._held_free = params.heldIsFree
         if params.heldIsFree and params.unit != "tokens":
             raise ValueError("heldIsFree needs unit: tokens (it subtracts held prompt tokens)")
+        self._held_pending = params.heldPendingOnly
+        self._held_min = params.heldMinTokens
+        if params.heldMinTokens and not params.heldIsFree:
+            raise ValueError("heldMinTokens needs heldIsFree (it says which requests it is for)")
+        if params.heldPendingOnly and not params.heldIsFree:
+            raise ValueError("heldPendingOnly needs heldIsFree (it limits what is subtracted)")
         self._band_tokens = params.latencyBandMinTokens
         if params.latencyBandMinTokens and not params.latencyBand:
             raise ValueError(
@@ -350,10 +364,16 @@ class ActiveRequestScorer:
         match = request.state.get(PREFIX_MATCH)
         if not isinstance(match, PrefixMatch) or not match.matched_blocks:
             return in_flight
+        if self._held_min and match.most_cached_tokens(e.id for e in candidates) < self._held_min:
+            return in_flight
         reduced: dict[int, float] = {}
+        pending = self._store.prefill_tokens if self._held_pending else None
         for endpoint in candidates:
             count = in_flight[endpoint.id]
-            reduced[endpoint.id] = count - min(count, match.cached_tokens(endpoint.id))
+            free = min(count, match.cached_tokens(endpoint.id))
+            if pending is not None:
+                free = min(free, pending[endpoint.id])
+            reduced[endpoint.id] = count - free
         return reduced
 
     def _span(self, request: LLMRequest, candidates: Sequence[Endpoint], busiest: float) -> float:

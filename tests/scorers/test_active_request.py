@@ -524,3 +524,50 @@ def test_held_is_free_counts_in_flight_tokens_less_what_the_candidate_holds() ->
     assert scores(True, {0: 1000, 2: 3000}) == pytest.approx([0.0, 1.0, 1.0])
     assert scores(True, None) == pytest.approx(scores(False, None))  # no prefix scorer ran
     _refused({"heldIsFree": True, "unit": "requests"}, "heldIsFree needs unit: tokens")
+
+
+def test_held_pending_only_relieves_a_holder_while_it_computes_the_context() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [50000, 0, 10000]
+    fields = {"unit": "tokens", "heldIsFree": True, "heldPendingOnly": True}
+    scorer = ActiveRequestScorer(
+        "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+    )
+
+    def scores() -> list[float]:
+        request = make_request()
+        request.state[PREFIX_MATCH] = PrefixMatch(16, 3200, {0: 3125})  # 50,000 tokens held
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    # The document is still being prefilled on endpoint 0: its tokens count as free there.
+    store.prefill_tokens[:3] = [50000.0, 0.0, 0.0]
+    assert scores() == pytest.approx([1.0, 1.0, 0.0])
+    # Part of it is left to compute: only that part is free.
+    store.prefill_tokens[0] = 20000.0
+    assert scores() == pytest.approx([0.0, 1.0, 1 - 10000 / 30000])
+    # Cached and decoding: it counts in full, as without the option.
+    store.prefill_tokens[0] = 0.0
+    assert scores() == pytest.approx([0.0, 1.0, 0.8])
+    _refused({"heldPendingOnly": True, "unit": "tokens"}, "heldPendingOnly needs heldIsFree")
+
+
+def test_held_min_tokens_applies_held_is_free_to_long_held_contexts_only() -> None:
+    store = make_store(3)
+    store.in_flight_tokens[:3] = [50000, 0, 10000]
+    fields = {"unit": "tokens", "heldIsFree": True, "heldMinTokens": 32768}
+    scorer = ActiveRequestScorer(
+        "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+    )
+
+    def scores(blocks: int) -> list[float]:
+        request = make_request()
+        request.state[PREFIX_MATCH] = PrefixMatch(16, 3200, {0: blocks})
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    assert scores(2047) == pytest.approx([0.0, 1.0, 0.8])  # 32,752 tokens held: as without it
+    assert scores(2048) == pytest.approx([0.0, 1.0, 1 - 10000 / 17232])  # 32,768: 17,232 left
+    _refused({"heldMinTokens": 100, "unit": "tokens"}, "heldMinTokens needs heldIsFree")
