@@ -364,7 +364,7 @@ class ActiveRequestScorer:
         match = request.state.get(PREFIX_MATCH)
         if not isinstance(match, PrefixMatch) or not match.matched_blocks:
             return in_flight
-        if self._held_min and match.most_cached_tokens(e.id for e in candidates) < self._held_min:
+        if self._held_min and self._held(request, candidates) < self._held_min:
             return in_flight
         reduced: dict[int, float] = {}
         pending = self._store.prefill_tokens if self._held_pending else None

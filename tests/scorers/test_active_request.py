@@ -444,7 +444,7 @@ def test_the_band_options_need_the_band(field: str) -> None:
 
 def test_the_band_options_take_values_in_range() -> None:
     bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("latencyBandSlack", -0.1),
-           ("latencyBandMinTokens", -1)]  # fmt: skip
+           ("latencyBandMinTokens", -1), ("heldMinTokens", -1)]  # fmt: skip
     for field, value in [*bad, ("maxNumSeqs", -1), ("loadWindowSeconds", 0)]:
         with pytest.raises(ConfigError, match=field):
             decode(ActiveRequestParams, {field: value}, "parameters")
