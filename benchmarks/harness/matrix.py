@@ -955,10 +955,10 @@ def parse_cell(text: str) -> tuple[str, float, str, str]:
 
 
 def cell_workload(
-    cell_text: str, draw: int = DEFAULT_FAMILY_SEED, responses: str = "full"
+    cell_text: str, draw: int = DEFAULT_FAMILY_SEED, responses: str = "full", quick: bool = False
 ) -> tuple[Cell, Trace, ClusterConfig, Load]:
     """One matrix cell's requests (at its load) and cluster, as ``kv-picker bench matrix``
-    builds them for ``--family-seed draw``, and the load they offer.
+    builds them for ``--family-seed draw`` (and ``--quick``), and the load they offer.
 
     Raises:
         ConfigError: a bad cell (:func:`parse_cell`).
@@ -966,7 +966,7 @@ def cell_workload(
     """
     family, load, cluster, timing = parse_cell(cell_text)
     plan = plan_matrix(
-        [family], [load], [cluster], [timing], [], False, cluster_overrides(responses), draw
+        [family], [load], [cluster], [timing], [], quick, cluster_overrides(responses), draw
     )
     cell = plan.cells[0]
     return cell, plan.traces[cell], plan.configs[cell], plan.loads[cell]

@@ -54,11 +54,14 @@ from kv_picker_bench.harness.matrix import (
     CLUSTERS,
     DEFAULT_FAMILY_SEED,
     DEFAULT_POLICY,
-    cluster_overrides,
-    parse_cell,
-    plan_matrix,
+    cell_workload,
 )
-from kv_picker_bench.harness.policies import Policy, harness_registry, resolve_policy
+from kv_picker_bench.harness.policies import (
+    Policy,
+    harness_registry,
+    pd_variant,
+    resolve_policy,
+)
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator
 from kv_picker_bench.harness.traces import TraceError, TraceRequest
 
@@ -160,15 +163,10 @@ def find_moves(
     """
     if min_tokens < 1:
         raise ConfigError(f"--min-tokens must be at least 1, not {min_tokens}")
-    family, load, cluster, timing = parse_cell(cell_text)
-    plan = plan_matrix(
-        [family], [load], [cluster], [timing], [policy], quick, cluster_overrides(responses), draw
-    )
-    cell = plan.cells[0]
+    cell, trace, config, _ = cell_workload(cell_text, draw, responses, quick)
     # On the P/D pool the matrix runs the policy under the P/D profile handler.
-    pd = CLUSTERS[cluster].pd
-    run = plan.pd_policies[0] if pd else policy
-    trace, config = plan.traces[cell], plan.configs[cell]
+    pd = CLUSTERS[cell.cluster].pd
+    run = pd_variant(policy) if pd else policy
     block = config.block_size
     moves: list[Move] = []
     weights: dict[str, dict[str, float]] = {}

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from kv_picker.errors import ConfigError
-from kv_picker_bench.harness.moves import find_moves, main, markdown, parse_cell
+from kv_picker_bench.harness.matrix import parse_cell
+from kv_picker_bench.harness.moves import find_moves, main, markdown
 from kv_picker_bench.harness.policies import resolve_policy
 
 CELL = "long-doc-qa/0.3/small4/llama-3.1-8b-h100"
