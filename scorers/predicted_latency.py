@@ -110,6 +110,16 @@ unless the queues differ by more than ``q`` times what moving would compute.
 count includes the prefill each endpoint is computing, so with long prompts every endpoint can
 have one well below saturation; with 1, only the requests waiting behind it count.
 
+``saturatedQueue`` (``fewest``) is how ``q`` is read from the candidates' queues: ``fewest`` as
+above, or ``mean``, the mean of their queued prefills (less ``saturatedAbove``, at least 0). With
+the fewest, one endpoint that has just emptied its queue makes every miss free, and a burst of
+requests whose prompts other endpoints hold is computed again there while the pool is past its
+capacity; the mean is the pool's backlog, which a miss on any endpoint adds to. On the
+routing matrix's tuning half (draws 1-3), with ``saturatedMissCost`` 1, 2 and 4 in excess, and 2
+with ``saturatedAbove`` 1, it passed 109-118 pooled cells against the default's 124, with a
+higher TTFT mean each time; it lost most on agent loops on the P/D pool, up to 3.8 times the
+best TTFT mean at 0.3 load (``benchmarks/RESULTS.md`` section 1): the default does not set it.
+
 ``missExcess`` (off) counts each candidate's miss cost (``missCost``'s and
 ``saturatedMissCost``'s) in excess of the least among the candidates, as ``decodeExcess`` does
 for the decode term. Where a prompt is cached nowhere its prefill costs about the same
@@ -174,7 +184,7 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
-``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
+``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
 """
 
 from __future__ import annotations
@@ -182,7 +192,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from kv_picker.decode import NonNegative, Positive, Range
 from kv_picker.scheduling.context import BuildContext
@@ -212,6 +222,7 @@ class PredictedLatencyParams:
     saturatedMissCost: Annotated[float, NonNegative] = 0.0
     missExcess: bool = False
     saturatedAbove: Annotated[int, NonNegative] = 0
+    saturatedQueue: Literal["fewest", "mean"] = "fewest"
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
 
@@ -323,10 +334,14 @@ class PredictedLatencyScorer:
                 weights[i] += params.missCost * in_flight[endpoint.id]
         if params.saturatedMissCost:
             queued = self._store.prefill_requests
-            fewest = min(queued[endpoint.id] for endpoint in candidates) - params.saturatedAbove
-            if fewest > 0:
+            counts = [queued[endpoint.id] for endpoint in candidates]
+            if params.saturatedQueue == "mean":
+                q = sum(counts) / len(counts) - params.saturatedAbove
+            else:
+                q = min(counts) - params.saturatedAbove
+            if q > 0:
                 for i in range(len(candidates)):
-                    weights[i] += params.saturatedMissCost * fewest
+                    weights[i] += params.saturatedMissCost * q
         costs = [
             weight * self.own_work_s(request, endpoint) if weight else 0.0
             for weight, endpoint in zip(weights, candidates, strict=True)

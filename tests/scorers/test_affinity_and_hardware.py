@@ -290,6 +290,8 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("saturatedMissCost", -1),
         ("missExcess", "yes"),
         ("saturatedAbove", -1),
+        ("saturatedQueue", "median"),
+        ("saturatedQueue", 2),
         ("ownWaitingAtScrape", "yes"),
         ("queueProgress", -0.5),
         ("queueProgress", 1.5),
@@ -375,6 +377,38 @@ def test_predicted_latency_saturated_miss_cost_prices_a_miss_only_once_every_que
         store.add_prefill(endpoint.id, 0)  # a second one queued behind each
     # Now one waits everywhere (q = 2 - 1): the others 0.2 + 1 + 1 * 1 * 1 = 2.2 s.
     assert scores(above, store, request) == pytest.approx([1.0, 1.5 / 2.2, 1.5 / 2.2])
+
+
+def test_predicted_latency_saturated_queue_mean_prices_a_miss_by_the_pool_s_queues() -> None:
+    # saturatedQueue: mean counts q as the candidates' mean queued prefills, not the fewest:
+    # one idle endpoint next to long queues no longer makes a miss free.
+    # 10,000 tokens, 1 s to compute on an H100; all cached on the first.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", "H100", stepSeconds=0, kvReadTokensPerSecond=0
+    )
+    holder, second, _ = store.all()
+    for _ in range(3):
+        store.add_prefill(holder.id, 5_000)  # three queued on the holder: 1.5 s
+    for _ in range(3):
+        store.add_prefill(second.id, 5_000)
+    fewest = dataclasses.replace(params, saturatedMissCost=1.0, missExcess=True)
+    mean = dataclasses.replace(fewest, saturatedQueue="mean")
+    plain = PredictedLatencyScorer("p", params, make_context(store))
+    by_fewest = PredictedLatencyScorer("p", fewest, make_context(store))
+    by_mean = PredictedLatencyScorer("p", mean, make_context(store))
+    # The idle endpoint has no queue, so the fewest is 0: the plain estimate moves the request
+    # there (1 s against the holder's 1.5 s).
+    assert scores(plain, store, request) == pytest.approx([1.0 / 1.5, 1.0 / 2.5, 1.0])
+    assert scores(by_fewest, store, request) == pytest.approx(scores(plain, store, request))
+    # The mean is 2 queued: the idle endpoint costs 1 + 1 * 2 * 1 = 3 s, the second
+    # 1.5 + 1 + 2 = 4.5 s, and the holder, which computes nothing, keeps its 1.5 s.
+    assert scores(by_mean, store, request) == pytest.approx([1.0, 1.5 / 4.5, 1.5 / 3.0])
+    # saturatedAbove lowers the mean as it does the fewest (2 - 1 = 1): the idle endpoint
+    # 1 + 1 = 2 s, the second 1.5 + 1 + 1 = 3.5 s.
+    above = PredictedLatencyScorer(
+        "p", dataclasses.replace(mean, saturatedAbove=1), make_context(store)
+    )
+    assert scores(above, store, request) == pytest.approx([1.0, 1.5 / 3.5, 1.5 / 2.0])
 
 
 def test_predicted_latency_miss_excess_prices_only_the_work_beyond_the_best_cached() -> None:
