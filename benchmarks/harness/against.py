@@ -42,7 +42,9 @@ from kv_picker_bench.harness.matrix import (
     describe_passing,
     family_spec,
     geometric_mean,
+    passing_policies,
     pooled_results,
+    worst_judged_ratio,
 )
 from kv_picker_bench.harness.report import PolicyMetrics, at_stored_precision, read_json
 
@@ -115,9 +117,34 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
     return out
 
 
-def restrict_plan(plan: MatrixPlan, stored: Mapping[Cell, CellResult]) -> None:
-    """Keep only the plan's cells the stored draw has."""
-    plan.cells = [cell for cell in plan.cells if cell in stored]
+def restrict_plan(
+    plan: MatrixPlan, stored: Mapping[Cell, CellResult], selected: set[Cell] | None = None
+) -> None:
+    """Keep only the plan's cells the stored draw has (and, given ``selected``, those of it)."""
+    plan.cells = [
+        cell for cell in plan.cells if cell in stored and (selected is None or cell in selected)
+    ]
+
+
+def select_cells(
+    stored_draws: Mapping[int, Mapping[Cell, CellResult]], selection: str
+) -> set[Cell] | None:
+    """``--cells``: the stored cells to run. ``all``: every one (None: no restriction);
+    ``failing``: those the stored default fails with the draws pooled; ``nobody``: those no
+    stored policy passes pooled (each judged as the default, against all the others)."""
+    if selection == "all":
+        return None
+    pooled = pooled_results({draw: list(cells.values()) for draw, cells in stored_draws.items()})
+    chosen = set()
+    for result in pooled:
+        if selection == "nobody":
+            if not passing_policies(result):
+                chosen.add(result.cell)
+        else:
+            verdict = default_verdict(result)
+            if verdict is not None and not verdict.passed:
+                chosen.add(result.cell)
+    return chosen
 
 
 def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> list[CellResult]:
@@ -231,6 +258,80 @@ def judge(
     return out
 
 
+@dataclass(slots=True)
+class Reach:
+    """Who passes one cell, pooled: ``stored`` describes the stored policies' verdicts (those
+    that pass it, or the closest when none does); ``passing`` are the candidates that pass it,
+    each judged alone as the default; ``closest`` is the candidate whose worst judged ratio
+    (TTFT mean, TTFT p90, best ÷ throughput) is the smallest, among those that pass when any
+    does, with that ratio, and ``closest_reasons`` why it fails (empty when it passes)."""
+
+    cell: str
+    stored: str
+    passing: list[str]
+    closest: tuple[str, float]
+    closest_reasons: list[str]
+
+
+def reach(per_draw: Mapping[int, Sequence[CellResult]], candidates: Sequence[str]) -> list[Reach]:
+    """Per cell of the run, pooled over the draws: which candidates pass it (``--cells``).
+
+    A cell no candidate passes either asks for figures no policy of this run reaches at once,
+    or needs a policy unlike every one tried; one that some candidate passes is not out of
+    reach of the scorers, though a default must pass it together with every other cell.
+    """
+    stored_only = pooled_results(
+        {
+            draw: [
+                replace(r, metrics={n: m for n, m in r.metrics.items() if n not in candidates})
+                for r in results
+            ]
+            for draw, results in per_draw.items()
+        }
+    )
+    alone = {
+        name: {
+            r.cell: r
+            for r in pooled_results(
+                {
+                    draw: [judged_alone(r, name, candidates) for r in results]
+                    for draw, results in per_draw.items()
+                }
+            )
+        }
+        for name in candidates
+    }
+    out = []
+    for result in stored_only:
+        passing: list[str] = []
+        closest: tuple[str, float, list[str]] | None = None
+        for name in candidates:
+            judged = alone[name].get(result.cell)
+            if judged is None:
+                continue
+            verdict = default_verdict(judged, name)
+            if verdict is None:
+                continue
+            if verdict.passed:
+                passing.append(name)
+            worst = worst_judged_ratio(cell_ratios(judged)[name])
+            # A candidate that passes comes before any that fails, whatever their ratios.
+            if closest is None or (not verdict.passed, worst) < (bool(closest[2]), closest[1]):
+                closest = (name, worst, list(verdict.reasons))
+        if closest is None:
+            continue
+        out.append(
+            Reach(
+                result.cell.label,
+                describe_passing(result),
+                passing,
+                (closest[0], closest[1]),
+                closest[2],
+            )
+        )
+    return out
+
+
 def _versus_default(cells: Sequence[CellResult], name: str) -> tuple[float, float, float] | None:
     """Geometric means of ``name``'s TTFT mean, TTFT p90 and 1 ÷ throughput over the stored
     default's, over ``cells`` (all policies, pooled)."""
@@ -256,9 +357,16 @@ def _worst(items: Sequence[tuple[float, str]]) -> tuple[float, str]:
 
 
 def against_report(
-    title: str, command: str, folder: str, judgements: Sequence[Judgement], draws: Sequence[int]
+    title: str,
+    command: str,
+    folder: str,
+    judgements: Sequence[Judgement],
+    draws: Sequence[int],
+    reach: Sequence[Reach] | None = None,
 ) -> str:
-    """Markdown: each policy's verdicts as the default, per split, and its pooled failures."""
+    """Markdown: each policy's verdicts as the default, per split, and its pooled failures;
+    with ``reach`` (``--cells``), the candidates that pass each cell instead of the failures
+    (a run of many candidates on a few cells)."""
     lines = [
         f"# {title}",
         "",
@@ -289,6 +397,8 @@ def against_report(
             f"| {j.worst_ttft_p90[0]:.2f} ({j.worst_ttft_p90[1]}) "
             f"| {j.worst_inverse_throughput[0]:.2f} ({j.worst_inverse_throughput[1]}) |"
         )
+    if reach is not None:
+        return "\n".join(lines + _reach_lines(reach)) + "\n"
     for j in judgements:
         if j.split != "all" or not j.failures:
             continue
@@ -300,18 +410,63 @@ def against_report(
     return "\n".join(lines) + "\n"
 
 
+def _reach_lines(reach: Sequence[Reach]) -> list[str]:
+    reached = [r for r in reach if r.passing]
+    counts: dict[str, int] = {}
+    for r in reached:
+        for name in r.passing:
+            counts[name] = counts.get(name, 0) + 1
+    lines = [
+        "",
+        f"## Who passes each cell, pooled ({len(reached)} of {len(reach)} passed by a candidate)",
+        "",
+        "Each candidate judged alone as the default, as above. *Stored*: the stored policies "
+        "that pass the cell, or the closest when none does. *Closest candidate*: the smallest "
+        "worst judged ratio (TTFT mean, TTFT p90, best ÷ throughput; 1.05 or less is within "
+        "the bar's 5%; a candidate that passes, when one does), and why it fails the cell.",
+        "",
+    ]
+    if counts:
+        top = max(counts.values())
+        best = sorted(name for name, count in counts.items() if count == top)
+        lines += [
+            f"Most cells passed by one candidate: {top} ({', '.join(best[:5])}"
+            + (f" and {len(best) - 5} more" if len(best) > 5 else "")
+            + ").",
+            "",
+        ]
+    lines += [
+        "| cell | stored | candidates passing | closest candidate | why it fails |",
+        "|---|---|---:|---|---|",
+    ]
+    for r in reach:
+        shown = ", ".join(r.passing[:3]) + (
+            f" and {len(r.passing) - 3} more" if len(r.passing) > 3 else ""
+        )
+        lines.append(
+            f"| {r.cell} | {r.stored} | {len(r.passing)}{f' ({shown})' if r.passing else ''} "
+            f"| {r.closest[0]}, {r.closest[1]:.2f}x | {'; '.join(r.closest_reasons) or 'passes'} |"
+        )
+    return lines
+
+
 def against_json(
     command: str,
     folder: str,
     judgements: Sequence[Judgement],
     per_draw: Mapping[int, Sequence[CellResult]],
     candidates: Sequence[str],
+    reach: Sequence[Reach] | None = None,
 ) -> dict[str, Any]:
-    """The judgements, and every candidate's own metrics per draw and cell."""
+    """The judgements, each cell's reach (``--cells``), and every candidate's own metrics per
+    draw and cell."""
     return {
         "command": command,
         "against": folder,
         "judgements": [{name: getattr(j, name) for name in j.__slots__} for j in judgements],
+        "reach": None
+        if reach is None
+        else [{name: getattr(r, name) for name in r.__slots__} for r in reach],
         "runs": {
             str(draw): [
                 {

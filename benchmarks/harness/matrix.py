@@ -45,6 +45,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import re
 import sys
 import time
@@ -52,6 +53,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kv_picker.errors import ConfigError
 from kv_picker_bench.harness.args import (
@@ -78,6 +81,7 @@ from kv_picker_bench.harness.policies import (
     harness_registry,
     pd_variant,
     resolve_policies,
+    resolve_policy,
 )
 from kv_picker_bench.harness.report import (
     PolicyMetrics,
@@ -88,6 +92,12 @@ from kv_picker_bench.harness.report import (
     write_json,
 )
 from kv_picker_bench.harness.simulator import ClusterConfig, EndpointSetup, run_policy
+from kv_picker_bench.harness.space import (
+    DEFAULT_SPACE,
+    DEFAULT_SPACE_SOURCE,
+    RandomChooser,
+    load_space,
+)
 from kv_picker_bench.harness.traces import Trace, parse_trace_spec, slice_trace
 from kv_picker_bench.sim.timing import TIMING_PROFILES, describe_profiles, timing_profile
 
@@ -1065,6 +1075,30 @@ def build_parser() -> argparse.ArgumentParser:
         "stored policies other than the stored default (against.md, against.json)",
     )
     parser.add_argument(
+        "--cells",
+        choices=("all", "failing", "nobody"),
+        default="all",
+        help="with --against: the stored cells to run, of those the other options select: all "
+        "(the default), failing (those the stored default fails with the draws pooled) or "
+        "nobody (those no stored policy passes pooled); a report section then lists, per cell, "
+        "the candidates that pass it",
+    )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --against: also judge N profiles drawn evenly from kv-picker tune's "
+        "built-in search space (kv-picker tune --print-space), named sample-1 ... and written "
+        "to the results folder's samples/ (0: none)",
+    )
+    parser.add_argument(
+        "--sample-seed",
+        type=int,
+        default=0,
+        help="seed of --sample's draws (0): the same seed draws the same profiles",
+    )
+    parser.add_argument(
         "--report",
         type=Path,
         metavar="DIR",
@@ -1093,7 +1127,8 @@ def _matrix(argv: Sequence[str]) -> int:
     loads = parse_loads(args.loads)
     clusters = _names(args.clusters, list(CLUSTERS), "clusters")
     timings = _names(args.timing, list(TIMING_PROFILES), "timing")
-    policies = resolve_policies(args.policy)
+    # With --against the candidates are the --policy and --sample ones, never the baselines.
+    policies = resolve_policies(args.policy) if args.policy or args.against is None else []
     registry = harness_registry()
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
@@ -1101,6 +1136,10 @@ def _matrix(argv: Sequence[str]) -> int:
         if args.against is not None or args.policy:
             raise UsageError("--report runs nothing: it takes no --against or --policy")
         return _rewrite_reports(args)
+    if args.against is None and (args.cells != "all" or args.sample):
+        raise UsageError("--cells and --sample judge candidates on a stored matrix: give --against")
+    if args.sample < 0:
+        raise UsageError(f"--sample must be at least 0, not {args.sample}")
     if args.against is not None:
         return _against(args, argv, draws, families, loads, clusters, timings, policies)
     folder = results_dir(args, "matrix", "matrix")
@@ -1236,8 +1275,10 @@ def _against(
     """``--against DIR``: the candidates' runs only, judged on the stored draws."""
     from kv_picker_bench.harness import against
 
-    if not args.policy:
-        raise UsageError("--against needs the candidates to judge: --policy NAME=FILE")
+    if not args.policy and not args.sample:
+        raise UsageError(
+            "--against needs the candidates to judge: --policy NAME=FILE, or --sample N"
+        )
     stored_draws = {
         draw: against.load_stored(
             against.stored_matrix_path(args.against, draw, len(draws)), draw, args.quick
@@ -1252,15 +1293,27 @@ def _against(
                 f"--policy {name}: the stored matrix has a policy of that name; name the "
                 "candidate otherwise (NAME=FILE)"
             )
+    for number in range(1, args.sample + 1):
+        if (name := sample_name(number)) in stored_names or name in names:
+            raise UsageError(
+                f"--sample: {name} is a name already taken (a --policy, or a stored policy); "
+                "name that candidate otherwise"
+            )
+    selected = against.select_cells(stored_draws, args.cells)
+    if selected is not None and not selected:
+        raise UsageError(f"--cells {args.cells}: the stored matrix has no such cell")
     folder = results_dir(args, "matrix", "against")
     command = record_command(folder, "matrix", argv)
+    if args.sample:
+        policies = [*policies, *sample_policies(args.sample, args.sample_seed, folder / "samples")]
+        names = [policy.name for policy in policies]
     per_draw: dict[int, list[CellResult]] = {}
     for draw, stored in stored_draws.items():
         plan = plan_matrix(
             families, loads, clusters, timings, policies, args.quick,
             cluster_overrides(args.responses), draw,
         )  # fmt: skip
-        against.restrict_plan(plan, stored)
+        against.restrict_plan(plan, stored, selected)
         if not plan.cells:
             raise UsageError(f"--against: draw {draw} has none of the cells asked for")
         if not args.quiet:
@@ -1273,15 +1326,45 @@ def _against(
     judgements = [
         j for name in [DEFAULT_POLICY, *names] for j in against.judge(per_draw, name, names)
     ]
+    reach = against.reach(per_draw, names) if selected is not None else None
     title = args.title or "Candidates judged as the default"
     shown = portable_path(str(args.against))
-    text = against.against_report(title, command, shown, judgements, list(per_draw))
+    text = against.against_report(title, command, shown, judgements, list(per_draw), reach)
     (folder / "against.md").write_text(text, encoding="utf-8")
     write_json(folder / "against.json", against.against_json(command, shown, judgements,
-                                                             per_draw, names))  # fmt: skip
+                                                             per_draw, names, reach))  # fmt: skip
     print(text)
     print(f"results: {folder}")
     return EXIT_OK
+
+
+def sample_name(number: int) -> str:
+    """The name of ``--sample``'s ``number``-th profile (from 1)."""
+    return f"sample-{number}"
+
+
+def sample_policies(count: int, seed: int, folder: Path) -> list[Policy]:
+    """``--sample``: ``count`` profiles drawn evenly from ``kv-picker tune``'s built-in space
+    around the built-in default, each written to ``folder/sample-N.yaml`` (so any of them can
+    be run again by name) and read back as a policy."""
+    registry = harness_registry()
+    space = load_space(DEFAULT_SPACE, DEFAULT_SPACE_SOURCE, {}, "built-in default", registry)
+    chooser = RandomChooser(random.Random(seed))
+    folder.mkdir(parents=True, exist_ok=True)
+    policies = []
+    for number in range(1, count + 1):
+        document, _ = space.build(chooser)
+        name = sample_name(number)
+        path = folder / f"{name}.yaml"
+        header = (
+            f"# Drawn by kv-picker bench matrix --sample (seed {seed}, draw {number} of "
+            f"{count}) from kv-picker tune's built-in search space.\n"
+        )
+        path.write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+        policy = resolve_policy(f"{name}={path}")
+        policy.config(registry)
+        policies.append(policy)
+    return policies
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,8 +39,10 @@ Rules, checked before any replay (errors name the file, the line and the field):
   dimensions are only tried while it is in.
 - ``step`` must divide ``high - low``, and cannot be combined with ``log``.
 
-Candidate values come from a :class:`Chooser` (the tuner's adapter of an Optuna trial, or
-:class:`FixedChooser` for a finished trial's parameters), so this module knows no optimizer.
+Candidate values come from a :class:`Chooser` (the tuner's adapter of an Optuna trial,
+:class:`FixedChooser` for a finished trial's parameters, or :class:`RandomChooser` for profiles
+drawn evenly from the space, as ``kv-picker bench matrix --sample`` draws them), so this module
+knows no optimizer.
 Parameter names in a trial are ``<plugin>.weight``, ``<plugin>.enabled`` and
 ``<plugin>.<parameter>``.
 """
@@ -50,6 +52,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import random
 import re
 import types
 import typing
@@ -302,6 +305,39 @@ class FixedChooser:
 
     def value(self, dimension: Dimension) -> Any:
         return self.params[dimension.name]
+
+
+class RandomChooser:
+    """Values drawn evenly from each dimension with a seeded generator: a choice among the
+    choices, a range evenly (in log space with ``log``, on the grid with ``step``, integers for
+    integer fields), an optional plugin in or out with even odds.
+
+    Args:
+        rng: The generator (``random.Random(seed)``): the same seed draws the same values.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def enabled(self, dimension: Dimension) -> bool:
+        return self.rng.random() < 0.5
+
+    def value(self, dimension: Dimension) -> Any:
+        rng = self.rng
+        if dimension.choices is not None:
+            return dimension.choices[rng.randrange(len(dimension.choices))]
+        assert dimension.low is not None and dimension.high is not None  # a range
+        low, high = dimension.low, dimension.high
+        if dimension.step is not None:
+            value = low + dimension.step * rng.randint(0, round((high - low) / dimension.step))
+            return round(value) if dimension.integer else round(value, 12)
+        if dimension.log:
+            value = math.exp(rng.uniform(math.log(low), math.log(high)))
+        else:
+            value = rng.uniform(low, high)
+        if dimension.integer:
+            return min(int(high), max(int(low), round(value)))
+        return value
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,14 @@ import yaml
 
 from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
 from kv_picker_bench.harness import matrix
-from kv_picker_bench.harness.against import judge
+from kv_picker_bench.harness.against import (
+    against_report,
+    judge,
+    load_stored,
+    reach,
+    select_cells,
+)
+from kv_picker_bench.harness.matrix import Cell, CellResult
 from tests.benchmarks.harness.test_matrix import cell_result, metrics
 
 SMALL = ["--quick", "--families", "chat,rag", "--clusters", "small4", "--loads", "0.5",
@@ -210,3 +217,160 @@ def test_a_gzip_stored_matrix_cut_short_is_refused_naming_the_file(
     whole = gzip.compress((stored / "draw-1" / "matrix.json").read_bytes())
     (tmp_path / "matrix.json.gz").write_bytes(whole[: len(whole) // 2])
     _refused_naming(tmp_path, "matrix.json.gz", capsys)
+
+
+def _stored_draws(*cells: CellResult) -> dict[int, dict[Cell, CellResult]]:
+    return {1: {c.cell: c for c in cells}}
+
+
+def test_cells_selects_the_stored_defaults_failures_or_the_cells_nobody_passes() -> None:
+    won = cell_result(
+        metrics("kv-picker", 1.0, 1.0, 100.0), metrics("gie-default", 2.0, 2.0, 100.0)
+    )
+    # The default trails the GIE default; the GIE default itself passes.
+    lost = cell_result(
+        metrics("kv-picker", 1.2, 1.2, 100.0),
+        metrics("gie-default", 1.0, 1.0, 100.0),
+        family="rag",
+    )
+    # The best TTFT and the best throughput belong to different policies: nobody passes.
+    split = cell_result(
+        metrics("kv-picker", 1.0, 1.0, 50.0),
+        metrics("gie-default", 2.0, 2.0, 100.0),
+        family="mixed",
+    )
+    draws = _stored_draws(won, lost, split)
+    assert select_cells(draws, "all") is None
+    assert select_cells(draws, "failing") == {lost.cell, split.cell}
+    assert select_cells(draws, "nobody") == {split.cell}
+
+
+def test_reach_names_the_candidates_that_pass_each_cell_judged_alone() -> None:
+    stored = [
+        metrics("kv-picker", 1.0, 1.0, 50.0),
+        metrics("gie-default", 2.0, 2.0, 100.0),
+    ]
+    per_draw = {
+        1: [
+            cell_result(
+                *stored,
+                metrics("both", 1.02, 1.0, 100.0),  # within 5% of every best: passes
+                metrics("fast", 0.9, 0.9, 60.0),  # the best TTFT, 0.6 of the best throughput
+                metrics("busy", 1.9, 1.9, 100.0),  # a little better than the GIE default
+            ),
+            cell_result(
+                *stored,
+                metrics("both", 3.0, 3.0, 50.0),
+                metrics("fast", 3.0, 3.0, 50.0),
+                metrics("busy", 3.0, 3.0, 50.0),
+                family="rag",
+            ),
+        ]
+    }
+    rows = {r.cell: r for r in reach(per_draw, ["both", "fast", "busy"])}
+    first, second = (c.cell.label for c in per_draw[1])
+    # Judged alone, each candidate's best is its own and the stored policies' but the
+    # default's: "busy" passes with the GIE default's throughput and a lower TTFT; "fast" has
+    # 0.6 of the GIE default's throughput. The stored default, judged with the stored
+    # policies only, has half the GIE default's throughput.
+    assert rows[first].passing == ["both", "busy"]
+    assert rows[first].stored == "none (closest: kv-picker, 2.00x)"
+    assert rows[first].closest == ("both", pytest.approx(1.0)) and not rows[first].closest_reasons
+    assert rows[second].passing == []
+    # Every candidate: 1.5x the GIE default's TTFT, half its throughput.
+    assert rows[second].closest == ("both", pytest.approx(2.0))
+    assert "throughput 0.50x the best" in rows[second].closest_reasons
+    text = against_report("t", "c", "f", [], [1], list(rows.values()))
+    assert "(1 of 2 passed by a candidate)" in text
+    assert "Most cells passed by one candidate: 1 (both, busy)." in text
+    assert (
+        f"| {first} | none (closest: kv-picker, 2.00x) | 2 (both, busy) | both, 1.00x | passes |"
+        in text
+    )
+
+
+def test_sample_draws_the_same_profiles_from_the_same_seed(tmp_path: Path) -> None:
+    first = matrix.sample_policies(3, 7, tmp_path / "a")
+    again = matrix.sample_policies(3, 7, tmp_path / "b")
+    other = matrix.sample_policies(3, 8, tmp_path / "c")
+    assert [p.name for p in first] == ["sample-1", "sample-2", "sample-3"]
+    assert [p.document for p in first] == [p.document for p in again]
+    assert [p.document for p in first] != [p.document for p in other]
+    assert len({json.dumps(p.document, sort_keys=True) for p in first}) == 3
+    written = yaml.safe_load((tmp_path / "a" / "sample-2.yaml").read_text())
+    assert written == first[1].document
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--cells", "failing", "--policy", "round-robin"], "give --against"),
+        (["--sample", "2"], "give --against"),
+        (["--sample", "-1", "--against", "x"], "at least 0"),
+    ],
+)
+def test_cells_and_sample_without_a_stored_matrix_are_refused(
+    tmp_path: Path, extra: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = matrix.main([*SMALL, "--out", str(tmp_path / "out"), *extra])
+    assert code == 2
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sampled_candidates_on_the_cells_the_default_fails(stored: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--sample", "2",
+         "--sample-seed", "3", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "against.json").read_text())
+    assert report["reach"] is None  # --cells all: the usual report
+    # Only the sampled candidates run: no baseline is added when --policy is not given.
+    assert {j["policy"] for j in report["judgements"]} == {"kv-picker", "sample-1", "sample-2"}
+    assert (out / "samples" / "sample-2.yaml").is_file()
+    # A copy of the stored matrix where the GIE default is twice as fast on rag in both draws:
+    # the default fails rag there and passes chat.
+    edited = tmp_path / "edited"
+    shutil.copytree(stored, edited)
+    for draw in ("1", "3"):
+        path = edited / f"draw-{draw}" / "matrix.json"
+        data = json.loads(path.read_text())
+        for cell in data["cells"]:
+            if cell["family"] == "rag":
+                gie = cell["policies"]["gie-default"]
+                for key in ("mean", "p90"):
+                    gie["ttft_s"][key] = cell["policies"]["kv-picker"]["ttft_s"][key] / 2
+        path.write_text(json.dumps(data))
+    draws = {int(d): load_stored(edited / f"draw-{d}" / "matrix.json", int(d), True) for d in "13"}
+    (rag,) = select_cells(draws, "failing") or [None]
+    assert rag is not None and rag.family == "rag"
+    out = tmp_path / "failing"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(edited), "--cells", "failing",
+         "--sample", "2", "--sample-seed", "3", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "against.json").read_text())
+    assert [r["cell"] for r in report["reach"]] == [rag.label]
+    for draw in ("1", "3"):
+        assert [r["family"] for r in report["runs"][draw]] == ["rag"]
+    text = (out / "against.md").read_text()
+    assert "## Who passes each cell, pooled" in text and f"| {rag.label} |" in text
+
+
+def test_a_sample_name_already_taken_is_refused_before_any_run(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "mine.yaml"
+    document = {"plugins": list(DEFAULT_PLUGINS), "schedulingProfiles": [DEFAULT_PROFILE]}
+    profile.write_text(yaml.safe_dump(json.loads(json.dumps(document))))
+    out = tmp_path / "out"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--policy",
+         f"sample-2={profile}", "--sample", "3", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 2
+    assert "sample-2 is a name already taken" in capsys.readouterr().err
+    assert not out.exists()
