@@ -127,11 +127,22 @@ def restrict_plan(
 
 
 def select_cells(
-    stored_draws: Mapping[int, Mapping[Cell, CellResult]], selection: str
+    stored_draws: Mapping[int, Mapping[Cell, CellResult]], selection: str | set[Cell]
 ) -> set[Cell] | None:
     """``--cells``: the stored cells to run. ``all``: every one (None: no restriction);
     ``failing``: those the stored default fails with the draws pooled; ``nobody``: those no
-    stored policy passes pooled (each judged as the default, against all the others)."""
+    stored policy passes pooled (each judged as the default, against all the others); a set of
+    cells: those, each of which every stored draw must have.
+
+    Raises:
+        UsageError: a cell of the set that a stored draw lacks.
+    """
+    if isinstance(selection, set):
+        for draw, cells in stored_draws.items():
+            missing = sorted(cell.label for cell in selection if cell not in cells)
+            if missing:
+                raise UsageError(f"--cells: stored draw {draw} has no cell {missing[0]}")
+        return set(selection)
     if selection == "all":
         return None
     pooled = pooled_results({draw: list(cells.values()) for draw, cells in stored_draws.items()})

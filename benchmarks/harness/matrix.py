@@ -964,6 +964,24 @@ def parse_cell(text: str) -> tuple[str, float, str, str]:
     return family, load, cluster, timing
 
 
+CELL_SELECTIONS = ("all", "failing", "nobody")
+"""``--cells`` keywords (see :func:`kv_picker_bench.harness.against.select_cells`)."""
+
+
+def parse_cells(text: str) -> str | set[Cell]:
+    """``--cells``: a keyword of :data:`CELL_SELECTIONS`, or a comma list of cells.
+
+    Raises:
+        ConfigError: a malformed or unknown cell, named.
+    """
+    if text.strip() in CELL_SELECTIONS:
+        return text.strip()
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"--cells: give {', '.join(CELL_SELECTIONS)} or a comma list of cells")
+    return {Cell(*parse_cell(item)) for item in items}
+
+
 def cell_workload(
     cell_text: str, draw: int = DEFAULT_FAMILY_SEED, responses: str = "full", quick: bool = False
 ) -> tuple[Cell, Trace, ClusterConfig, Load]:
@@ -1076,12 +1094,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cells",
-        choices=("all", "failing", "nobody"),
         default="all",
+        metavar="all|failing|nobody|CELL[,CELL...]",
         help="with --against: the stored cells to run, of those the other options select: all "
-        "(the default), failing (those the stored default fails with the draws pooled) or "
-        "nobody (those no stored policy passes pooled); a report section then lists, per cell, "
-        "the candidates that pass it",
+        "(the default), failing (those the stored default fails with the draws pooled), "
+        "nobody (those no stored policy passes pooled), or a comma list of cells "
+        "(family/load/cluster/timing, e.g. long-doc-qa/0.3/small4/llama-3.1-70b-h100-tp4); "
+        "but for all, a report section then lists, per cell, the candidates that pass it",
     )
     parser.add_argument(
         "--sample",
@@ -1136,12 +1155,13 @@ def _matrix(argv: Sequence[str]) -> int:
         if args.against is not None or args.policy:
             raise UsageError("--report runs nothing: it takes no --against or --policy")
         return _rewrite_reports(args)
+    cells = parse_cells(args.cells)
     if args.against is None and (args.cells != "all" or args.sample):
         raise UsageError("--cells and --sample judge candidates on a stored matrix: give --against")
     if args.sample < 0:
         raise UsageError(f"--sample must be at least 0, not {args.sample}")
     if args.against is not None:
-        return _against(args, argv, draws, families, loads, clusters, timings, policies)
+        return _against(args, argv, draws, families, loads, clusters, timings, policies, cells)
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
@@ -1271,6 +1291,7 @@ def _against(
     clusters: Sequence[str],
     timings: Sequence[str],
     policies: Sequence[Policy],
+    cells: str | set[Cell],
 ) -> int:
     """``--against DIR``: the candidates' runs only, judged on the stored draws."""
     from kv_picker_bench.harness import against
@@ -1299,7 +1320,7 @@ def _against(
                 f"--sample: {name} is a name already taken (a --policy, or a stored policy); "
                 "name that candidate otherwise"
             )
-    selected = against.select_cells(stored_draws, args.cells)
+    selected = against.select_cells(stored_draws, cells)
     if selected is not None and not selected:
         raise UsageError(f"--cells {args.cells}: the stored matrix has no such cell")
     folder = results_dir(args, "matrix", "against")

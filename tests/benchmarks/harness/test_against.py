@@ -374,3 +374,38 @@ def test_a_sample_name_already_taken_is_refused_before_any_run(
     assert code == 2
     assert "sample-2 is a name already taken" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cells_may_name_the_cells_to_run(stored: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cell = "rag/0.5/small4/llama-3.1-8b-h100"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--cells", cell,
+         "--sample", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "against.json").read_text())
+    assert [r["cell"] for r in report["reach"]] == ["rag / 0.5 / small4 / llama-3.1-8b-h100"]
+    assert [r["family"] for r in report["runs"]["3"]] == ["rag"]
+
+
+@pytest.mark.parametrize(
+    ("cells", "reason"),
+    [
+        ("rag/0.5/small4/no-such-profile", "unknown timing profile"),
+        ("rag/0.5/small4", "expected family/load/cluster/timing"),
+        ("rag/0.7/small4/llama-3.1-8b-h100", "stored draw 1 has no cell rag / 0.7 / small4"),
+        (",", "or a comma list of cells"),
+    ],
+)
+def test_cells_naming_a_cell_that_is_not_stored_or_not_one_is_refused(
+    stored: Path, tmp_path: Path, cells: str, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code = matrix.main(
+        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--cells", cells,
+         "--sample", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 2
+    assert reason in capsys.readouterr().err
+    assert not out.exists()
