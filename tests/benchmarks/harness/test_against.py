@@ -126,22 +126,38 @@ def test_the_margin_against_the_default_is_a_geometric_mean_over_the_cells() -> 
     assert alone.versus_default is None
 
 
+STORED = "<the stored matrix>"  # replaced by the stored fixture's folder in the refusals below
+CELL = ["--family-seed", "1,3", "--against", STORED, "--sample", "1", "--cells"]
+
+
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--family-seed", "2", "--policy", "least-queue"], "no stored draw 2"),
-        (["--family-seed", "1,3"], "needs the candidates to judge"),
-        (["--family-seed", "1,3", "--policy", "gie-default"], "has a policy of that name"),
+        (["--against", STORED, "--family-seed", "2", "--policy", "least-queue"],
+         "no stored draw 2"),
+        (["--against", STORED, "--family-seed", "1,3"], "needs the candidates to judge"),
+        (["--against", STORED, "--family-seed", "1,3", "--policy", "gie-default"],
+         "has a policy of that name"),
+        (["--cells", "failing", "--policy", "round-robin"], "give --against"),
+        (["--sample", "2"], "give --against"),
+        (["--sample", "-1", "--against", STORED], "at least 0"),
+        ([*CELL, "rag/0.5/small4/no-such-profile"], "unknown timing profile"),
+        ([*CELL, "rag/0.5/small4"], "expected family/load/cluster/timing"),
+        ([*CELL, "rag/0.7/small4/llama-3.1-8b-h100"],
+         "stored draw 1 has no cell rag / 0.7 / small4"),
+        ([*CELL, ","], "or a comma list of cells"),
     ],
-)
+)  # fmt: skip
 def test_a_run_that_cannot_be_judged_on_the_stored_matrix_is_refused(
     stored: Path, tmp_path: Path, extra: list[str], reason: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    code = matrix.main([*SMALL, "--against", str(stored), "--out", str(tmp_path), *extra])
+    out = tmp_path / "out"
+    extra = [str(stored) if item == STORED else item for item in extra]
+    code = matrix.main([*SMALL, "--out", str(out), *extra])
     assert code == 2
     assert reason in capsys.readouterr().err
-    assert not (tmp_path / "against.json").exists()
+    assert not out.exists()
 
 
 def test_other_traces_than_the_stored_ones_are_refused(
@@ -301,23 +317,6 @@ def test_sample_draws_the_same_profiles_from_the_same_seed(tmp_path: Path) -> No
     assert written == first[1].document
 
 
-@pytest.mark.parametrize(
-    ("extra", "reason"),
-    [
-        (["--cells", "failing", "--policy", "round-robin"], "give --against"),
-        (["--sample", "2"], "give --against"),
-        (["--sample", "-1", "--against", "x"], "at least 0"),
-    ],
-)
-def test_cells_and_sample_without_a_stored_matrix_are_refused(
-    tmp_path: Path, extra: list[str], reason: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = matrix.main([*SMALL, "--out", str(tmp_path / "out"), *extra])
-    assert code == 2
-    assert reason in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 def test_sampled_candidates_on_the_cells_the_default_fails(stored: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = matrix.main(
@@ -387,25 +386,3 @@ def test_cells_may_name_the_cells_to_run(stored: Path, tmp_path: Path) -> None:
     report = json.loads((out / "against.json").read_text())
     assert [r["cell"] for r in report["reach"]] == ["rag / 0.5 / small4 / llama-3.1-8b-h100"]
     assert [r["family"] for r in report["runs"]["3"]] == ["rag"]
-
-
-@pytest.mark.parametrize(
-    ("cells", "reason"),
-    [
-        ("rag/0.5/small4/no-such-profile", "unknown timing profile"),
-        ("rag/0.5/small4", "expected family/load/cluster/timing"),
-        ("rag/0.7/small4/llama-3.1-8b-h100", "stored draw 1 has no cell rag / 0.7 / small4"),
-        (",", "or a comma list of cells"),
-    ],
-)
-def test_cells_naming_a_cell_that_is_not_stored_or_not_one_is_refused(
-    stored: Path, tmp_path: Path, cells: str, reason: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "out"
-    code = matrix.main(
-        [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--cells", cells,
-         "--sample", "1", "--out", str(out)]
-    )  # fmt: skip
-    assert code == 2
-    assert reason in capsys.readouterr().err
-    assert not out.exists()
