@@ -38,12 +38,17 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def default_profile(path: Path) -> Path:
+    """The built-in default profile written as a candidate's YAML file."""
+    document = {"plugins": list(DEFAULT_PLUGINS), "schedulingProfiles": [DEFAULT_PROFILE]}
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(document))))
+    return path
+
+
 def test_a_candidate_equal_to_the_default_gets_the_stored_defaults_verdicts(
     stored: Path, tmp_path: Path
 ) -> None:
-    profile = tmp_path / "same.yaml"
-    document = {"plugins": list(DEFAULT_PLUGINS), "schedulingProfiles": [DEFAULT_PROFILE]}
-    profile.write_text(yaml.safe_dump(json.loads(json.dumps(document))))
+    profile = default_profile(tmp_path / "same.yaml")
     out = tmp_path / "out"
     code = matrix.main(
         [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--policy",
@@ -362,9 +367,7 @@ def test_sampled_candidates_on_the_cells_the_default_fails(stored: Path, tmp_pat
 def test_a_sample_name_already_taken_is_refused_before_any_run(
     stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    profile = tmp_path / "mine.yaml"
-    document = {"plugins": list(DEFAULT_PLUGINS), "schedulingProfiles": [DEFAULT_PROFILE]}
-    profile.write_text(yaml.safe_dump(json.loads(json.dumps(document))))
+    profile = default_profile(tmp_path / "mine.yaml")
     out = tmp_path / "out"
     code = matrix.main(
         [*SMALL, "--family-seed", "1,3", "--against", str(stored), "--policy",
