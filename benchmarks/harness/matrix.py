@@ -1320,6 +1320,18 @@ def _against(
                 f"--sample: {name} is a name already taken (a --policy, or a stored policy); "
                 "name that candidate otherwise"
             )
+    if isinstance(cells, set):
+        for cell in sorted(cells, key=lambda c: c.label):
+            if not (
+                cell.family in families
+                and cell.load in loads
+                and cell.cluster in clusters
+                and cell.timing in timings
+            ):
+                raise UsageError(
+                    f"--cells: {cell.label} is not among the cells --families, --loads, "
+                    "--clusters and --timing select"
+                )
     selected = against.select_cells(stored_draws, cells)
     if selected is not None and not selected:
         raise UsageError(f"--cells {args.cells}: the stored matrix has no such cell")

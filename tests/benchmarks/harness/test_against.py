@@ -148,9 +148,11 @@ CELL = ["--family-seed", "1,3", "--against", STORED, "--sample", "1", "--cells"]
         (["--sample", "-1", "--against", STORED], "at least 0"),
         ([*CELL, "rag/0.5/small4/no-such-profile"], "unknown timing profile"),
         ([*CELL, "rag/0.5/small4"], "expected family/load/cluster/timing"),
-        ([*CELL, "rag/0.7/small4/llama-3.1-8b-h100"],
+        ([*CELL, "rag/0.7/small4/llama-3.1-8b-h100", "--loads", "0.5,0.7"],
          "stored draw 1 has no cell rag / 0.7 / small4"),
         ([*CELL, ","], "or a comma list of cells"),
+        ([*CELL, "rag/0.5/small4/llama-3.1-8b-h100", "--families", "chat"],
+         "is not among the cells --families, --loads, --clusters and --timing select"),
     ],
 )  # fmt: skip
 def test_a_run_that_cannot_be_judged_on_the_stored_matrix_is_refused(
