@@ -22,6 +22,7 @@ conversation window) is compared with the stored one, and a difference (another
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -326,9 +327,11 @@ def reach(per_draw: Mapping[int, Sequence[CellResult]], candidates: Sequence[str
             if verdict.passed:
                 passing.append(name)
             worst = worst_judged_ratio(cell_ratios(judged)[name])
-            # A candidate that passes comes before any that fails, whatever their ratios.
-            if closest is None or (not verdict.passed, worst) < (bool(closest[2]), closest[1]):
-                closest = (name, worst, list(verdict.reasons))
+            reasons = list(verdict.reasons)
+            # A candidate that passes (no reasons) comes before any that fails, whatever the
+            # ratios; then the smaller worst ratio, then the first named.
+            if closest is None or (bool(reasons), worst) < (bool(closest[2]), closest[1]):
+                closest = (name, worst, reasons)
         if closest is None:
             continue
         out.append(
@@ -423,10 +426,7 @@ def against_report(
 
 def _reach_lines(reach: Sequence[Reach]) -> list[str]:
     reached = [r for r in reach if r.passing]
-    counts: dict[str, int] = {}
-    for r in reached:
-        for name in r.passing:
-            counts[name] = counts.get(name, 0) + 1
+    counts = Counter(name for r in reached for name in r.passing)
     lines = [
         "",
         f"## Who passes each cell, pooled ({len(reached)} of {len(reach)} passed by a candidate)",
