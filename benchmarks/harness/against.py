@@ -118,6 +118,29 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
     return out
 
 
+def stored_seeds(folder: Path, draws: Sequence[int]) -> list[int]:
+    """The policy seeds a stored matrix's figures come from (``seeds`` in its ``matrix.json``;
+    a matrix stored without them ran seed 0), the same for every draw asked for.
+
+    Raises:
+        UsageError: draws stored under different seeds.
+    """
+    found: dict[tuple[int, ...], int] = {}
+    for draw in draws:
+        path = stored_matrix_path(folder, draw, len(draws))
+        try:
+            seeds = tuple(int(seed) for seed in read_json(path).get("seeds", [0]))
+        except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
+            raise UsageError(f"--against: {path} is not a stored matrix: {exc!r}") from None
+        found.setdefault(seeds, draw)
+    if len(found) > 1:
+        described = "; ".join(f"draw {d}: {', '.join(map(str, s))}" for s, d in found.items())
+        raise UsageError(
+            f"--against: the stored draws ran under different policy seeds ({described})"
+        )
+    return list(next(iter(found)))
+
+
 def restrict_plan(
     plan: MatrixPlan, stored: Mapping[Cell, CellResult], selected: set[Cell] | None = None
 ) -> None:
@@ -377,6 +400,7 @@ def against_report(
     judgements: Sequence[Judgement],
     draws: Sequence[int],
     reach: Sequence[Reach] | None = None,
+    seeds: tuple[Sequence[int], Sequence[int]] = ((0,), (0,)),
 ) -> str:
     """Markdown: each policy's verdicts as the default, per split, and its pooled failures;
     with ``reach`` (``--cells``), the candidates that pass each cell instead of the failures
@@ -395,6 +419,7 @@ def against_report(
         "1÷throughput over the stored default's, cell by cell (below 1: better than it), "
         "the margins the verdicts do not count.",
         "",
+        *_seeds_lines(*seeds),
         "| policy | split | cells | pass, "
         + " / ".join(f"draw {d}" for d in draws)
         + " | pass, pooled | geo mean ratio: TTFT mean / p90 "
@@ -461,6 +486,25 @@ def _reach_lines(reach: Sequence[Reach]) -> list[str]:
     return lines
 
 
+def _seeds_lines(candidates: Sequence[int], stored: Sequence[int]) -> list[str]:
+    """The report's line on policy seeds, when any run used other than seed 0 alone."""
+    if list(candidates) == [0] and list(stored) == [0]:
+        return []
+
+    def listed(seeds: Sequence[int]) -> str:
+        return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+    text = f"Policy seeds: the candidates ran under {listed(candidates)}"
+    text += (
+        ", as the stored policies did"
+        if list(candidates) == list(stored)
+        else f", the stored policies under {listed(stored)}"
+    )
+    if len(candidates) > 1 or len(stored) > 1:
+        text += " (several: each figure over one run per seed taken together)"
+    return [text + ".", ""]
+
+
 def against_json(
     command: str,
     folder: str,
@@ -468,12 +512,18 @@ def against_json(
     per_draw: Mapping[int, Sequence[CellResult]],
     candidates: Sequence[str],
     reach: Sequence[Reach] | None = None,
+    seeds: tuple[Sequence[int], Sequence[int]] = ((0,), (0,)),
 ) -> dict[str, Any]:
     """The judgements, each cell's reach (``--cells``), and every candidate's own metrics per
     draw and cell."""
     return {
         "command": command,
         "against": folder,
+        **(
+            {}
+            if [list(s) for s in seeds] == [[0], [0]]
+            else {"seeds": list(seeds[0]), "stored_seeds": list(seeds[1])}
+        ),
         "judgements": [{name: getattr(j, name) for name in j.__slots__} for j in judgements],
         "reach": None
         if reach is None

@@ -451,6 +451,58 @@ def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[Cell
     return results
 
 
+def run_seeds(plan: MatrixPlan, seeds: Sequence[int], jobs: int, quiet: bool) -> list[CellResult]:
+    """:func:`run_matrix` once per policy seed; with several, each cell's figures pooled over
+    the seeds (:func:`pool_seeds`)."""
+    if len(seeds) == 1:
+        return run_matrix(plan, seeds[0], jobs, quiet)
+    return pool_seeds({seed: run_matrix(plan, seed, jobs, quiet) for seed in seeds})
+
+
+def pool_seeds(per_seed: Mapping[int, Sequence[CellResult]]) -> list[CellResult]:
+    """The same cells run under several policy seeds, pooled as draws are
+    (:func:`pooled_results`): the seeds differ only in the policies' tie-breaks and random
+    picks, so a cell's figures are the policy's over every seed's run. The cell keeps one
+    trace's request count; each policy's served and request counts are summed over the seeds
+    (the weights of a later pooling over draws). Figures at the stored precision, as
+    :func:`run_matrix` keeps them."""
+    first = {result.cell: result for result in next(iter(per_seed.values()))}
+    pooled = []
+    for result in pooled_results(per_seed):
+        metrics = {name: at_stored_precision(m) for name, m in result.metrics.items()}
+        pooled.append(replace(result, requests=first[result.cell].requests, metrics=metrics))
+    return pooled
+
+
+def seeds_sentence(seeds: Sequence[int]) -> str:
+    """The report's line on the policy seeds its figures come from."""
+    if len(seeds) == 1:
+        return f"Policy seed {seeds[0]}."
+    return (
+        f"Policy seeds {', '.join(map(str, seeds))}: every policy ran once per seed on every cell "
+        "(the seeds differ only in tie-breaks and random picks), and each figure is over the "
+        f"{len(seeds)} runs taken together: TTFT mean over every request, TTFT percentiles the "
+        "mean of the runs', output tokens over the summed makespans."
+    )
+
+
+def parse_policy_seeds(text: str) -> list[int]:
+    """``--seed``: one policy seed or a comma list of them, each at least 0, no repeats."""
+    seeds: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            seed = int(item)
+        except ValueError:
+            raise UsageError(f"--seed: {item!r} is not a whole number") from None
+        if seed < 0:
+            raise UsageError(f"--seed must be at least 0, not {seed}")
+        if seed in seeds:
+            raise UsageError(f"--seed: seed {seed} is listed twice")
+        seeds.append(seed)
+    return seeds
+
+
 def _stored_float(value: float) -> float:
     stored = stored_precision(value)
     return math.nan if stored is None else float(stored)
@@ -726,9 +778,17 @@ def _cell_table(result: CellResult) -> list[str]:
     return lines
 
 
-def markdown_report(title: str, command: str, results: Sequence[CellResult], wall_s: float) -> str:
+def markdown_report(
+    title: str,
+    command: str,
+    results: Sequence[CellResult],
+    wall_s: float,
+    seeds: Sequence[int] = (0,),
+) -> str:
     summaries = summarize_policies(results)
     lines = [f"# {title}", "", f"Command: `{command}`", ""]
+    if list(seeds) != [0]:
+        lines += [seeds_sentence(seeds), ""]
     for split in (TUNING, HELD_OUT):
         chosen = [r for r in results if FAMILIES[r.cell.family].split == split]
         if not chosen:
@@ -798,11 +858,13 @@ def results_json(
     wall_s: float,
     draw: int = DEFAULT_FAMILY_SEED,
     quick: bool = False,
+    seeds: Sequence[int] = (0,),
 ) -> dict[str, Any]:
     return {
         "command": command,
         "wall_s": wall_s,
         "family_seed": draw,
+        **({} if list(seeds) == [0] else {"seeds": list(seeds)}),
         "conversation_window_s": list(conversation_window(draw)),
         "families": {
             name: {
@@ -1071,7 +1133,15 @@ def build_parser() -> argparse.ArgumentParser:
         "when the endpoint's scraped first-token count says so) or end-only (lean, with "
         "servers that export no first-token count: a prefill ends with its request)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the policies (0)")
+    parser.add_argument(
+        "--seed",
+        metavar="N[,N...]",
+        help="seed of the policies' generators (tie-breaks, random pickers; default 0, and with "
+        "--against the stored matrix's seeds); several run every policy once per seed on every "
+        "cell and pool each cell's figures over them as draws are pooled (TTFT mean over every "
+        "request, percentiles averaged, output tokens over the summed makespans), so a verdict "
+        "rests less on one run's tie-breaks",
+    )
     parser.add_argument(
         "--family-seed",
         default=str(DEFAULT_FAMILY_SEED),
@@ -1142,6 +1212,7 @@ def _matrix(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     started = time.perf_counter()
     draws = parse_family_seeds(args.family_seed)
+    seeds = None if args.seed is None else parse_policy_seeds(args.seed)
     families = _families(args.families)
     loads = parse_loads(args.loads)
     clusters = _names(args.clusters, list(CLUSTERS), "clusters")
@@ -1161,7 +1232,10 @@ def _matrix(argv: Sequence[str]) -> int:
     if args.sample < 0:
         raise UsageError(f"--sample must be at least 0, not {args.sample}")
     if args.against is not None:
-        return _against(args, argv, draws, families, loads, clusters, timings, policies, cells)
+        return _against(
+            args, argv, draws, seeds, families, loads, clusters, timings, policies, cells
+        )
+    seeds = seeds or [0]
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
@@ -1186,12 +1260,14 @@ def _matrix(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
         draw_started = time.perf_counter()
-        results = run_matrix(plan, args.seed, args.jobs, args.quiet)
+        results = run_seeds(plan, seeds, args.jobs, args.quiet)
         wall_s = time.perf_counter() - draw_started
         draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
-        text = markdown_report(draw_title, command, results, wall_s)
+        text = markdown_report(draw_title, command, results, wall_s, seeds)
         (out / "matrix.md").write_text(text, encoding="utf-8")
-        write_json(out / "matrix.json", results_json(command, results, wall_s, draw, args.quick))
+        write_json(
+            out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds)
+        )
         if not args.no_plots:
             plot_default_heatmap(results, out / "default_heatmap.png")
             plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
@@ -1199,11 +1275,11 @@ def _matrix(argv: Sequence[str]) -> int:
     if len(draws) == 1:
         print(text)
     else:
-        text = draws_report(title, command, per_draw)
+        text = draws_report(title, command, per_draw, seeds)
         wall_s = time.perf_counter() - started
         text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
-        write_json(folder / "draws.json", draws_json(command, per_draw, wall_s))
+        write_json(folder / "draws.json", draws_json(command, per_draw, wall_s, seeds))
         print(text)
     print(f"results: {folder}")
     return EXIT_OK
@@ -1213,7 +1289,8 @@ def _stored_header(path: Path) -> dict[str, Any]:
     try:
         data = read_json(path)
         return {"command": str(data["command"]), "wall_s": float(data["wall_s"]),
-                "draw": int(data["family_seed"])}  # fmt: skip
+                "draw": int(data["family_seed"]),
+                "seeds": [int(seed) for seed in data.get("seeds", [0])]}  # fmt: skip
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--report: {path} is not a stored matrix: {exc!r}") from None
 
@@ -1261,12 +1338,13 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
     for path in paths:
         header = _stored_header(path)
         draw, wall_s, command = header["draw"], header["wall_s"], header["command"]
+        seeds = header["seeds"]
         results = list(against.load_stored(path, draw, args.quick).values())
         draw_title = title if path == flat else f"{title}, draw {draw}"
         (path.parent / "matrix.md").write_text(
-            markdown_report(draw_title, command, results, wall_s), encoding="utf-8"
+            markdown_report(draw_title, command, results, wall_s, seeds), encoding="utf-8"
         )
-        write_json(path, results_json(command, results, wall_s, draw, args.quick))
+        write_json(path, results_json(command, results, wall_s, draw, args.quick, seeds))
         if not args.no_plots:
             plot_default_heatmap(results, path.parent / "default_heatmap.png")
             plot_policy_ratios(summarize_policies(results), path.parent / "policy_ratios.png")
@@ -1274,10 +1352,10 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
         total_s += wall_s
     if path != flat:
         total_s = _stored_total_wall(folder, total_s)
-        text = draws_report(title, command, per_draw)
+        text = draws_report(title, command, per_draw, seeds)
         text += f"\nWall time of all draws: {total_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
-        write_json(folder / "draws.json", draws_json(command, per_draw, total_s))
+        write_json(folder / "draws.json", draws_json(command, per_draw, total_s, seeds))
     print(f"reports written again from the stored figures: {folder}")
     return EXIT_OK
 
@@ -1286,6 +1364,7 @@ def _against(
     args: argparse.Namespace,
     argv: Sequence[str],
     draws: Sequence[int],
+    seeds: list[int] | None,
     families: Sequence[str],
     loads: Sequence[float],
     clusters: Sequence[str],
@@ -1306,6 +1385,8 @@ def _against(
         )
         for draw in draws
     }
+    stored_seeds = against.stored_seeds(args.against, draws)
+    seeds = seeds or stored_seeds
     stored_names = {n for cells in stored_draws.values() for r in cells.values() for n in r.metrics}
     names = [policy.name for policy in policies]
     for name in names:
@@ -1355,17 +1436,19 @@ def _against(
                 f"({len(plan.jobs())} runs)",
                 file=sys.stderr,
             )
-        per_draw[draw] = against.merge(stored, run_matrix(plan, args.seed, args.jobs, args.quiet))
+        per_draw[draw] = against.merge(stored, run_seeds(plan, seeds, args.jobs, args.quiet))
     judgements = [
         j for name in [DEFAULT_POLICY, *names] for j in against.judge(per_draw, name, names)
     ]
     reach = against.reach(per_draw, names) if selected is not None else None
     title = args.title or "Candidates judged as the default"
     shown = portable_path(str(args.against))
-    text = against.against_report(title, command, shown, judgements, list(per_draw), reach)
+    text = against.against_report(
+        title, command, shown, judgements, list(per_draw), reach, (seeds, stored_seeds)
+    )
     (folder / "against.md").write_text(text, encoding="utf-8")
-    write_json(folder / "against.json", against.against_json(command, shown, judgements,
-                                                             per_draw, names, reach))  # fmt: skip
+    write_json(folder / "against.json", against.against_json(
+        command, shown, judgements, per_draw, names, reach, (seeds, stored_seeds)))  # fmt: skip
     print(text)
     print(f"results: {folder}")
     return EXIT_OK
@@ -1542,7 +1625,12 @@ def family_draws(per_draw: Mapping[int, Sequence[CellResult]]) -> list[FamilyDra
     return sorted(rows.values(), key=lambda r: order.index(r.family))
 
 
-def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellResult]]) -> str:
+def draws_report(
+    title: str,
+    command: str,
+    per_draw: Mapping[int, Sequence[CellResult]],
+    seeds: Sequence[int] = (0,),
+) -> str:
     """Markdown: the default's verdicts across draws, per family, and each draw's summary."""
     draws = list(per_draw)
     rows = family_draws(per_draw)
@@ -1551,6 +1639,7 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
         "",
         f"Command: `{command}`",
         "",
+        *([seeds_sentence(seeds), ""] if list(seeds) != [0] else []),
         "Each draw replays every family with another generator seed (the conversation family: "
         "another window of the trace); each draw's full report is in `draw-N/matrix.md`. A "
         "verdict that holds in every draw is a property of the policy; one that flips is the "
@@ -1647,13 +1736,17 @@ def draws_report(title: str, command: str, per_draw: Mapping[int, Sequence[CellR
 
 
 def draws_json(
-    command: str, per_draw: Mapping[int, Sequence[CellResult]], wall_s: float = math.nan
+    command: str,
+    per_draw: Mapping[int, Sequence[CellResult]],
+    wall_s: float = math.nan,
+    seeds: Sequence[int] = (0,),
 ) -> dict[str, Any]:
     pooled = pooled_results(per_draw)
     return {
         "command": command,
         "wall_s": wall_s,
         "draws": list(per_draw),
+        **({} if list(seeds) == [0] else {"seeds": list(seeds)}),
         "families": [_slots(row) for row in family_draws(per_draw)],
         "summary": {
             str(draw): [_slots(s) for s in summarize_policies(results)]

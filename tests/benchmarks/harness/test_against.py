@@ -391,3 +391,56 @@ def test_cells_may_name_the_cells_to_run(stored: Path, tmp_path: Path) -> None:
     report = json.loads((out / "against.json").read_text())
     assert [r["cell"] for r in report["reach"]] == ["rag / 0.5 / small4 / llama-3.1-8b-h100"]
     assert [r["family"] for r in report["runs"]["3"]] == ["rag"]
+
+
+def test_candidates_run_under_the_stored_matrixs_policy_seeds(tmp_path: Path) -> None:
+    """A matrix stored with ``--seed 0,1`` judges a candidate over both seeds unless told
+    otherwise: a copy of the default then gets the stored default's pooled figures exactly."""
+    stored = tmp_path / "stored"
+    seeded = [*SMALL, "--family-seed", "1,3", "--seed", "0,1"]
+    code = matrix.main([*seeded, "--policy", "kv-picker", "--policy", "gie-default",
+                        "--policy", "random", "--out", str(stored)])  # fmt: skip
+    assert code == 0
+    profile = default_profile(tmp_path / "same.yaml")
+    out = tmp_path / "out"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(stored),
+                        "--policy", f"same={profile}", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "against.json").read_text())
+    assert report["seeds"] == report["stored_seeds"] == [0, 1]
+    stored_cells = json.loads((stored / "draw-3" / "matrix.json").read_text())["cells"]
+    runs = {(c["family"], c["load"]): c["policies"]["same"] for c in report["runs"]["3"]}
+    for cell in stored_cells:
+        mine = dict(runs[(cell["family"], cell["load"])], policy="kv-picker", wall_s=0)
+        assert mine == dict(cell["policies"]["kv-picker"], wall_s=0)
+    assert (
+        "the candidates ran under seeds 0, 1, as the stored policies did"
+        in (out / "against.md").read_text()
+    )
+    # Asked for another seed, the candidate runs under it alone, and the report says so.
+    other = tmp_path / "other"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(stored), "--seed", "2",
+                        "--policy", f"same={profile}", "--out", str(other)])  # fmt: skip
+    assert code == 0
+    report = json.loads((other / "against.json").read_text())
+    assert report["seeds"] == [2] and report["stored_seeds"] == [0, 1]
+    assert (
+        "the candidates ran under seed 2, the stored policies under seeds 0, 1"
+        in (other / "against.md").read_text()
+    )
+
+
+def test_stored_draws_under_different_policy_seeds_are_refused(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(stored, copy)
+    path = copy / "draw-3" / "matrix.json"
+    document = json.loads(path.read_text())
+    path.write_text(json.dumps({**document, "seeds": [1]}))
+    out = tmp_path / "out"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(copy),
+                        "--policy", "least-queue", "--out", str(out)])  # fmt: skip
+    assert code == 2
+    assert "different policy seeds (draw 1: 0; draw 3: 1)" in capsys.readouterr().err
+    assert not out.exists()

@@ -400,3 +400,62 @@ def test_lean_responses_hide_first_bytes_from_every_cluster_of_the_matrix() -> N
         config = CLUSTERS["small4"].config(**overrides)
         assert config.first_byte_seen is seen
         assert config.timing.name == "llama-3.1-70b-h100-tp4"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("-1", "--seed must be at least 0, not -1"),
+        ("0,y", "--seed: 'y' is not a whole number"),
+        ("1,0,1", "--seed: seed 1 is listed twice"),
+    ],
+)
+def test_a_bad_policy_seed_is_refused_with_a_reason(
+    value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = matrix.main(["--quick", "--seed", value, "--out", str(tmp_path), "--quiet"])
+    assert code == 2
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "matrix.json").exists()
+
+
+SEEDED = ["--quick", "--families", "chat", "--clusters", "small4", "--loads", "0.9",
+          "--timing", "llama-3.1-8b-h100", "--policy", "kv-picker", "--policy", "random",
+          "--quiet", "--jobs", "1", "--no-plots"]  # fmt: skip
+
+
+def test_several_policy_seeds_pool_each_cells_runs_as_draws_are_pooled(tmp_path: Path) -> None:
+    """``--seed 0,1``: every policy once per seed, each cell's figures over the runs together,
+    exactly the pooling of the two one-seed runs; the trace's request count is the cell's."""
+    runs = {}
+    for seeds in ("0", "1", "0,1"):
+        out = tmp_path / seeds.replace(",", "-")
+        assert matrix.main([*SEEDED, "--seed", seeds, "--out", str(out)]) == 0
+        runs[seeds] = json.loads((out / "matrix.json").read_text())
+    one, two, both = runs["0"]["cells"][0], runs["1"]["cells"][0], runs["0,1"]["cells"][0]
+    assert "seeds" not in runs["0"] and runs["1"]["seeds"] == [1] and runs["0,1"]["seeds"] == [0, 1]
+    assert both["requests"] == one["requests"] == two["requests"]
+    # The random picker's picks follow its seed: the two runs differ, so the pooling is seen.
+    assert one["policies"]["random"]["ttft_s"] != two["policies"]["random"]["ttft_s"]
+    for name in ("kv-picker", "random"):
+        a, b, pooled = one["policies"][name], two["policies"][name], both["policies"][name]
+        assert pooled["ok"] == a["ok"] + b["ok"]
+        mean = (a["ttft_s"]["mean"] * a["ok"] + b["ttft_s"]["mean"] * b["ok"]) / pooled["ok"]
+        assert pooled["ttft_s"]["mean"] == pytest.approx(mean, abs=1e-6)
+        assert pooled["ttft_s"]["p90"] == pytest.approx(
+            (a["ttft_s"]["p90"] + b["ttft_s"]["p90"]) / 2, abs=1e-6
+        )
+        tokens = (
+            a["output_tokens_per_s"] * a["makespan_s"] + b["output_tokens_per_s"] * b["makespan_s"]
+        )
+        assert pooled["output_tokens_per_s"] == pytest.approx(
+            tokens / (a["makespan_s"] + b["makespan_s"]), rel=1e-5
+        )
+    text = (tmp_path / "0-1" / "matrix.md").read_text()
+    assert "Policy seeds 0, 1: every policy ran once per seed" in text
+    assert "Policy seed" not in (tmp_path / "0" / "matrix.md").read_text()
+    assert "Policy seed 1." in (tmp_path / "1" / "matrix.md").read_text()
+    # The stored figures report again as they were written, seeds included.
+    before = (tmp_path / "0-1" / "matrix.md").read_text()
+    assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 0
+    assert (tmp_path / "0-1" / "matrix.md").read_text() == before
