@@ -451,12 +451,15 @@ def run_matrix(plan: MatrixPlan, seed: int, jobs: int, quiet: bool) -> list[Cell
     return results
 
 
-def run_seeds(plan: MatrixPlan, seeds: Sequence[int], jobs: int, quiet: bool) -> list[CellResult]:
-    """:func:`run_matrix` once per policy seed; with several, each cell's figures pooled over
-    the seeds (:func:`pool_seeds`)."""
+def run_seeds(
+    plan: MatrixPlan, seeds: Sequence[int], jobs: int, quiet: bool
+) -> tuple[list[CellResult], dict[int, list[CellResult]]]:
+    """:func:`run_matrix` once per policy seed: each cell's figures pooled over the seeds
+    (:func:`pool_seeds`; one seed's own with one), and each seed's run."""
+    per_seed = {seed: run_matrix(plan, seed, jobs, quiet) for seed in seeds}
     if len(seeds) == 1:
-        return run_matrix(plan, seeds[0], jobs, quiet)
-    return pool_seeds({seed: run_matrix(plan, seed, jobs, quiet) for seed in seeds})
+        return per_seed[seeds[0]], per_seed
+    return pool_seeds(per_seed), per_seed
 
 
 def pool_seeds(per_seed: Mapping[int, Sequence[CellResult]]) -> list[CellResult]:
@@ -1240,6 +1243,7 @@ def _matrix(argv: Sequence[str]) -> int:
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
     per_draw: dict[int, list[CellResult]] = {}
+    per_seed: dict[int, dict[int, list[CellResult]]] = {seed: {} for seed in seeds}
     for draw in draws:
         plan = plan_matrix(
             families,
@@ -1251,7 +1255,7 @@ def _matrix(argv: Sequence[str]) -> int:
             cluster_overrides(args.responses),
             draw,
         )
-        out = folder if len(draws) == 1 else folder / f"draw-{draw}"
+        out = folder / draw_folder(draw, len(draws))
         out.mkdir(parents=True, exist_ok=True)
         if not args.quiet:
             print(
@@ -1260,8 +1264,17 @@ def _matrix(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
         draw_started = time.perf_counter()
-        results = run_seeds(plan, seeds, args.jobs, args.quiet)
+        results, seed_runs = run_seeds(plan, seeds, args.jobs, args.quiet)
         wall_s = time.perf_counter() - draw_started
+        if len(seeds) > 1:
+            for seed, seed_results in seed_runs.items():
+                per_seed[seed][draw] = seed_results
+                seed_out = folder / f"seed-{seed}" / draw_folder(draw, len(draws))
+                seed_out.mkdir(parents=True, exist_ok=True)
+                write_json(
+                    seed_out / "matrix.json",
+                    results_json(command, seed_results, math.nan, draw, args.quick, [seed]),
+                )
         draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
         text = markdown_report(draw_title, command, results, wall_s, seeds)
         (out / "matrix.md").write_text(text, encoding="utf-8")
@@ -1281,8 +1294,26 @@ def _matrix(argv: Sequence[str]) -> int:
         (folder / "draws.md").write_text(text, encoding="utf-8")
         write_json(folder / "draws.json", draws_json(command, per_draw, wall_s, seeds))
         print(text)
+    if len(seeds) > 1:
+        _write_seeds_reports(folder, title, command, per_seed)
     print(f"results: {folder}")
     return EXIT_OK
+
+
+def draw_folder(draw: int, draws: int) -> str:
+    """Where a draw's reports go in a results folder: ``draw-N``, or the folder itself for a
+    run of one draw."""
+    return "." if draws == 1 else f"draw-{draw}"
+
+
+def _write_seeds_reports(
+    folder: Path,
+    title: str,
+    command: str,
+    per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]],
+) -> None:
+    (folder / "seeds.md").write_text(seeds_report(title, command, per_seed), encoding="utf-8")
+    write_json(folder / "seeds.json", seeds_json(command, per_seed))
 
 
 def _stored_header(path: Path) -> dict[str, Any]:
@@ -1356,6 +1387,21 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
         text += f"\nWall time of all draws: {total_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
         write_json(folder / "draws.json", draws_json(command, per_draw, total_s, seeds))
+    if len(seeds) > 1:
+        per_seed = {
+            seed: {
+                draw: list(
+                    against.load_stored(
+                        against.stored_matrix_path(folder / f"seed-{seed}", draw, len(per_draw)),
+                        draw,
+                        args.quick,
+                    ).values()
+                )
+                for draw in per_draw
+            }
+            for seed in seeds
+        }
+        _write_seeds_reports(folder, title, command, per_seed)
     print(f"reports written again from the stored figures: {folder}")
     return EXIT_OK
 
@@ -1436,7 +1482,7 @@ def _against(
                 f"({len(plan.jobs())} runs)",
                 file=sys.stderr,
             )
-        per_draw[draw] = against.merge(stored, run_seeds(plan, seeds, args.jobs, args.quiet))
+        per_draw[draw] = against.merge(stored, run_seeds(plan, seeds, args.jobs, args.quiet)[0])
     judgements = [
         j for name in [DEFAULT_POLICY, *names] for j in against.judge(per_draw, name, names)
     ]
@@ -1765,4 +1811,206 @@ def draws_json(
                 for result in pooled
             ],
         },
+    }
+
+
+# ----------------------------------------------------------------------------- several seeds
+
+#: How far apart two runs of one policy on one cell may be, on any judged figure, and still be
+#: the same figure at the bar's resolution.
+SEED_SPREAD = 1.05
+
+
+@dataclass(slots=True)
+class SeedVerdicts:
+    """The default's verdicts under one policy seed (or, ``seed`` None, the seeds pooled):
+    cells passed per draw, and with the draws pooled (None for one draw)."""
+
+    seed: int | None
+    passed: list[int]
+    passed_pooled: int | None
+    nobody_passes_pooled: int | None
+    failed: list[str]
+
+
+@dataclass(slots=True)
+class SelfSpread:
+    """How far one policy's runs under the seeds are from each other: the cell runs (a cell in
+    one draw) and the cells pooled over the draws where the largest over the smallest of TTFT
+    mean, p90 or output throughput exceeds :data:`SEED_SPREAD`."""
+
+    policy: str
+    cell_runs: int
+    spread_runs: int
+    cells: int
+    spread_pooled: int
+    largest: float
+    largest_cell: str
+
+
+def _judged_pooled(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellResult]:
+    return list(pooled_results(per_draw)) if len(per_draw) > 1 else list(*per_draw.values())
+
+
+def seed_verdicts(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> list[SeedVerdicts]:
+    """The default's verdicts under each seed, then with the seeds pooled."""
+    draws = list(next(iter(per_seed.values())))
+    pooled_seeds = {
+        draw: pool_seeds({seed: runs[draw] for seed, runs in per_seed.items()}) for draw in draws
+    }
+    rows = []
+    for seed, runs in [*per_seed.items(), (None, pooled_seeds)]:
+        passed = [sum(_passes(r) for r in runs[draw]) for draw in draws]
+        judged = _judged_pooled(runs)
+        failed = [r.cell.label for r in judged if default_verdict(r) is not None and not _passes(r)]
+        several = len(draws) > 1
+        rows.append(
+            SeedVerdicts(
+                seed,
+                passed,
+                sum(_passes(r) for r in judged) if several else None,
+                sum(not passing_policies(r) for r in judged) if several else None,
+                failed,
+            )
+        )
+    return rows
+
+
+def _passes(result: CellResult) -> bool:
+    verdict = default_verdict(result)
+    return verdict is not None and verdict.passed
+
+
+def _figures(metrics: PolicyMetrics) -> tuple[float, float, float]:
+    return metrics.ttft_s["mean"], metrics.ttft_s["p90"], metrics.output_tokens_per_s
+
+
+def _spread(runs: Sequence[PolicyMetrics]) -> float:
+    """The largest, over TTFT mean, p90 and output throughput, of the largest run's figure over
+    the smallest one's (1: the runs agree)."""
+    figures = [_figures(m) for m in runs]
+    worst = 1.0
+    for i in range(3):
+        values = [f[i] for f in figures]
+        low, high = min(values), max(values)
+        if low > 0:
+            worst = max(worst, high / low)
+        elif high > 0:
+            worst = math.inf
+    return worst
+
+
+def self_spreads(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> list[SelfSpread]:
+    """Each policy against itself under the other seeds, cell by cell."""
+    seeds = list(per_seed)
+    draws = list(per_seed[seeds[0]])
+    by_cell = {
+        seed: {draw: {r.cell: r for r in runs[draw]} for draw in draws}
+        for seed, runs in per_seed.items()
+    }
+    cells = [r.cell for r in per_seed[seeds[0]][draws[0]]]
+    names = list(dict.fromkeys(n for r in per_seed[seeds[0]][draws[0]] for n in r.metrics))
+    rows = []
+    for name in names:
+        row = SelfSpread(name, 0, 0, 0, 0, 1.0, "")
+        for cell in cells:
+            found = [
+                {d: by_cell[s][d].get(cell) for d in draws} for s in seeds
+            ]  # per seed, per draw
+            if any(r is None or name not in r.metrics for f in found for r in f.values()):
+                continue
+            for draw in draws:
+                row.cell_runs += 1
+                row.spread_runs += _spread([f[draw].metrics[name] for f in found]) > SEED_SPREAD  # type: ignore[union-attr]
+            row.cells += 1
+            pooled = [
+                _judged_pooled({d: [r] for d, r in f.items() if r is not None}) for f in found
+            ]
+            spread = _spread([p[0].metrics[name] for p in pooled])
+            row.spread_pooled += spread > SEED_SPREAD
+            if spread > row.largest:
+                row.largest, row.largest_cell = spread, cell.label
+        rows.append(row)
+    return rows
+
+
+def seeds_report(
+    title: str, command: str, per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]
+) -> str:
+    """Markdown: how much of the default's verdict is the policies' tie-breaks."""
+    seeds = list(per_seed)
+    draws = list(per_seed[seeds[0]])
+    several = len(draws) > 1
+    verdicts = seed_verdicts(per_seed)
+    lines = [
+        f"# {title}: {len(seeds)} policy seeds",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Every policy ran once per seed on every cell; the seeds differ only in the policies' "
+        "tie-breaks and random picks (the simulator has no other randomness). Each seed's "
+        "figures are in `seed-N/`; the reports beside this one are the seeds pooled. A verdict "
+        "that changes with the seed is decided by tie-breaks, not by the policy.",
+        "",
+        "## The default's verdict under each seed",
+        "",
+        "| seeds | "
+        + " | ".join(f"pass, draw {d}" for d in draws)
+        + (" | pass, draws pooled | no policy passes, pooled |" if several else " |"),
+        "|---|" + "---:|" * (len(draws) + (2 if several else 0)),
+    ]
+    for row in verdicts:
+        label = "pooled" if row.seed is None else str(row.seed)
+        tail = f" | {row.passed_pooled} | {row.nobody_passes_pooled} |" if several else " |"
+        lines.append(f"| {label} | " + " | ".join(map(str, row.passed)) + tail)
+    own = [set(row.failed) for row in verdicts if row.seed is not None]
+    always, sometimes = set.intersection(*own), set.union(*own)
+    where = "with the draws pooled" if several else "in the draw"
+    lines += [
+        "",
+        f"## Cells whose verdict is the seed's ({where})",
+        "",
+        f"The default fails {len(always)} cells under every seed and {len(sometimes)} under "
+        f"at least one: {len(sometimes - always)} cells pass or fail by the seed alone.",
+        "",
+    ]
+    if sometimes - always:
+        lines += ["| cell | split | fails under seeds |", "|---|---|---|"]
+        for label in sorted(sometimes - always):
+            failing = [str(s) for s, failed in zip(seeds, own, strict=True) if label in failed]
+            family = label.split(" / ", 1)[0]
+            lines.append(f"| {label} | {FAMILIES[family].split} | {', '.join(failing)} |")
+        lines.append("")
+    lines += [
+        "## Each policy against itself",
+        "",
+        "Cell runs (one cell in one draw) where the policy's runs under the seeds are more than "
+        f"{SEED_SPREAD - 1:.0%} apart on TTFT mean, TTFT p90 or output throughput (the largest "
+        "over the smallest), the same over the cells with the draws pooled, and the cell where "
+        "they are furthest apart. A policy with no ties to break gives the same runs.",
+        "",
+        "| policy | cell runs | more than 5% apart | cells, draws pooled | more than 5% apart "
+        "| furthest apart (pooled) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for spread in self_spreads(per_seed):
+        furthest = (
+            f"{spread.largest:.2f}x ({spread.largest_cell})" if spread.largest_cell else "1.00x"
+        )
+        lines.append(
+            f"| {spread.policy} | {spread.cell_runs} | {spread.spread_runs} | {spread.cells} "
+            f"| {spread.spread_pooled} | {furthest} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def seeds_json(
+    command: str, per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]
+) -> dict[str, Any]:
+    return {
+        "command": command,
+        "seeds": list(per_seed),
+        "draws": list(next(iter(per_seed.values()))),
+        "verdicts": [_slots(row) for row in seed_verdicts(per_seed)],
+        "self_spread": [_slots(row) for row in self_spreads(per_seed)],
     }

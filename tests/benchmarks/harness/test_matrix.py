@@ -453,9 +453,59 @@ def test_several_policy_seeds_pool_each_cells_runs_as_draws_are_pooled(tmp_path:
         )
     text = (tmp_path / "0-1" / "matrix.md").read_text()
     assert "Policy seeds 0, 1: every policy ran once per seed" in text
+    assert "## The default's verdict under each seed" in (tmp_path / "0-1" / "seeds.md").read_text()
+    assert not (tmp_path / "1" / "seeds.md").exists()
     assert "Policy seed" not in (tmp_path / "0" / "matrix.md").read_text()
     assert "Policy seed 1." in (tmp_path / "1" / "matrix.md").read_text()
+    # Each seed's own run is kept, as a one-seed run writes it.
+    for seed, alone in (("0", one), ("1", two)):
+        kept = json.loads((tmp_path / "0-1" / f"seed-{seed}" / "matrix.json").read_text())
+        for name in ("kv-picker", "random"):
+            assert dict(kept["cells"][0]["policies"][name], wall_s=0) == dict(
+                alone["policies"][name], wall_s=0
+            )
     # The stored figures report again as they were written, seeds included.
-    before = (tmp_path / "0-1" / "matrix.md").read_text()
+    reports = [tmp_path / "0-1" / name for name in ("matrix.md", "seeds.md", "seeds.json")]
+    before = {path: path.read_text() for path in reports}
+    (tmp_path / "0-1" / "seeds.md").unlink()
     assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 0
-    assert (tmp_path / "0-1" / "matrix.md").read_text() == before
+    for path, text in before.items():
+        assert path.read_text() == text, path
+
+
+def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
+    """Two seeds, two draws: a cell the default fails under one seed only is the seed's; a
+    policy whose runs differ is counted against itself, one that ties never is."""
+    stable = metrics("round-robin", 1.0, 2.0, 100.0)
+
+    def cell(mine: float, other: float, family: str) -> CellResult:
+        return cell_result(
+            metrics("kv-picker", mine, 2.0, 100.0),
+            metrics("gie-default", other, 2.0, 100.0),
+            stable,
+            family=family,
+        )
+
+    per_seed = {
+        # seed 0: the default trails the GIE default on chat, in both draws
+        0: {1: [cell(1.2, 1.0, "chat"), cell(1.0, 1.0, "rag")],
+            2: [cell(1.2, 1.0, "chat"), cell(1.0, 1.0, "rag")]},
+        # seed 1: it leads on chat; on rag the GIE default's run is 10% better in draw 2
+        1: {1: [cell(1.0, 1.1, "chat"), cell(1.0, 1.0, "rag")],
+            2: [cell(1.0, 1.1, "chat"), cell(1.0, 0.9, "rag")]},
+    }  # fmt: skip
+    rows = matrix.seed_verdicts(per_seed)
+    assert [r.seed for r in rows] == [0, 1, None]
+    assert rows[0].passed == [1, 1] and rows[0].passed_pooled == 1
+    assert rows[0].failed == ["chat / 0.6 / small4 / llama-3.1-8b-h100"]
+    assert rows[1].passed == [2, 1] and rows[1].passed_pooled == 1
+    assert rows[1].failed == ["rag / 0.6 / small4 / llama-3.1-8b-h100"]
+    spreads = {s.policy: s for s in matrix.self_spreads(per_seed)}
+    assert spreads["round-robin"].spread_runs == 0 and spreads["round-robin"].largest == 1.0
+    assert spreads["kv-picker"].cell_runs == 4 and spreads["kv-picker"].spread_runs == 2
+    assert spreads["kv-picker"].largest == pytest.approx(1.2)
+    assert spreads["gie-default"].spread_runs == 3  # chat twice, rag in draw 2
+    text = matrix.seeds_report("t", "cmd", per_seed)
+    assert "fails 0 cells under every seed and 2 under at least one: 2 cells" in text
+    assert "| chat / 0.6 / small4 / llama-3.1-8b-h100 | tuning | 0 |" in text
+    assert "| rag / 0.6 / small4 / llama-3.1-8b-h100 | held-out | 1 |" in text
