@@ -1914,17 +1914,16 @@ def self_spreads(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> 
     for name in names:
         row = SelfSpread(name, 0, 0, 0, 0, 1.0, "")
         for cell in cells:
-            found = [
-                {d: by_cell[s][d].get(cell) for d in draws} for s in seeds
-            ]  # per seed, per draw
-            if any(r is None or name not in r.metrics for f in found for r in f.values()):
+            runs = [[by_cell[s][d].get(cell) for d in draws] for s in seeds]
+            found = [[r for r in per_draw if r is not None] for per_draw in runs]
+            if any(len(f) < len(draws) or any(name not in r.metrics for r in f) for f in found):
                 continue
-            for draw in draws:
+            for i in range(len(draws)):
                 row.cell_runs += 1
-                row.spread_runs += _spread([f[draw].metrics[name] for f in found]) > SEED_SPREAD  # type: ignore[union-attr]
+                row.spread_runs += _spread([f[i].metrics[name] for f in found]) > SEED_SPREAD
             row.cells += 1
             pooled = [
-                _judged_pooled({d: [r] for d, r in f.items() if r is not None}) for f in found
+                _judged_pooled(dict(zip(draws, ([r] for r in f), strict=True))) for f in found
             ]
             spread = _spread([p[0].metrics[name] for p in pooled])
             row.spread_pooled += spread > SEED_SPREAD
