@@ -1226,8 +1226,8 @@ def _matrix(argv: Sequence[str]) -> int:
     for policy in policies:
         policy.config(registry)  # fail before any work on a bad config
     if args.report is not None:
-        if args.against is not None or args.policy:
-            raise UsageError("--report runs nothing: it takes no --against or --policy")
+        if args.against is not None or args.policy or args.seed is not None:
+            raise UsageError("--report runs nothing: it takes no --against, --policy or --seed")
         return _rewrite_reports(args)
     cells = parse_cells(args.cells)
     if args.against is None and (args.cells != "all" or args.sample):

@@ -322,6 +322,8 @@ def test_a_stored_matrix_reports_again_from_its_figures(
     assert "no matrix.json" in capsys.readouterr().err
     assert matrix.main(["--report", str(tmp_path), "--quick", "--policy", "random"]) == 2
     assert "runs nothing" in capsys.readouterr().err
+    assert matrix.main(["--report", str(tmp_path), "--quick", "--seed", "0,1"]) == 2
+    assert "takes no --against, --policy or --seed" in capsys.readouterr().err
     (tmp_path / "draw-2" / "matrix.json").write_text("{not json")
     assert matrix.main(["--report", str(tmp_path), "--quick", "--no-plots"]) == 2
     assert "draw-2/matrix.json is not a stored matrix" in capsys.readouterr().err
