@@ -491,19 +491,24 @@ def seeds_sentence(seeds: Sequence[int]) -> str:
 
 def parse_policy_seeds(text: str) -> list[int]:
     """``--seed``: one policy seed or a comma list of them, each at least 0, no repeats."""
-    seeds: list[int] = []
+    return _whole_numbers(text, "--seed", "seed", 0)
+
+
+def _whole_numbers(text: str, option: str, item_name: str, least: int) -> list[int]:
+    """A comma list of whole numbers, each at least ``least``, none listed twice."""
+    numbers: list[int] = []
     for item in text.split(","):
         item = item.strip()
         try:
-            seed = int(item)
+            number = int(item)
         except ValueError:
-            raise UsageError(f"--seed: {item!r} is not a whole number") from None
-        if seed < 0:
-            raise UsageError(f"--seed must be at least 0, not {seed}")
-        if seed in seeds:
-            raise UsageError(f"--seed: seed {seed} is listed twice")
-        seeds.append(seed)
-    return seeds
+            raise UsageError(f"{option}: {item!r} is not a whole number") from None
+        if number < least:
+            raise UsageError(f"{option} must be at least {least}, not {number}")
+        if number in numbers:
+            raise UsageError(f"{option}: {item_name} {number} is listed twice")
+        numbers.append(number)
+    return numbers
 
 
 def _stored_float(value: float) -> float:
@@ -1540,19 +1545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def parse_family_seeds(text: str) -> list[int]:
     """``--family-seed``: one draw or a comma list of them, each at least 1, no repeats."""
-    draws: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        try:
-            draw = int(item)
-        except ValueError:
-            raise UsageError(f"--family-seed: {item!r} is not a whole number") from None
-        if draw < 1:
-            raise UsageError(f"--family-seed must be at least 1, not {draw}")
-        if draw in draws:
-            raise UsageError(f"--family-seed: draw {draw} is listed twice")
-        draws.append(draw)
-    return draws
+    return _whole_numbers(text, "--family-seed", "draw", 1)
 
 
 @dataclass(slots=True)

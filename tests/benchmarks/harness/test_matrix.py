@@ -228,18 +228,21 @@ def test_the_conversation_family_draws_later_windows_of_the_trace() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "reason"),
+    ("option", "value", "reason"),
     [
-        ("0", "--family-seed must be at least 1, not 0"),
-        ("-3", "--family-seed must be at least 1, not -3"),
-        ("1,x", "--family-seed: 'x' is not a whole number"),
-        ("2,2", "--family-seed: draw 2 is listed twice"),
+        ("--family-seed", "0", "--family-seed must be at least 1, not 0"),
+        ("--family-seed", "-3", "--family-seed must be at least 1, not -3"),
+        ("--family-seed", "1,x", "--family-seed: 'x' is not a whole number"),
+        ("--family-seed", "2,2", "--family-seed: draw 2 is listed twice"),
+        ("--seed", "-1", "--seed must be at least 0, not -1"),
+        ("--seed", "0,y", "--seed: 'y' is not a whole number"),
+        ("--seed", "1,0,1", "--seed: seed 1 is listed twice"),
     ],
 )
-def test_a_bad_family_seed_is_refused_with_a_reason(
-    value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_bad_family_or_policy_seed_is_refused_with_a_reason(
+    option: str, value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = matrix.main(["--quick", "--family-seed", value, "--out", str(tmp_path), "--quiet"])
+    code = matrix.main(["--quick", option, value, "--out", str(tmp_path), "--quiet"])
     assert code == 2
     assert reason in capsys.readouterr().err
     assert not (tmp_path / "matrix.json").exists()
@@ -402,23 +405,6 @@ def test_lean_responses_hide_first_bytes_from_every_cluster_of_the_matrix() -> N
         config = CLUSTERS["small4"].config(**overrides)
         assert config.first_byte_seen is seen
         assert config.timing.name == "llama-3.1-70b-h100-tp4"
-
-
-@pytest.mark.parametrize(
-    ("value", "reason"),
-    [
-        ("-1", "--seed must be at least 0, not -1"),
-        ("0,y", "--seed: 'y' is not a whole number"),
-        ("1,0,1", "--seed: seed 1 is listed twice"),
-    ],
-)
-def test_a_bad_policy_seed_is_refused_with_a_reason(
-    value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = matrix.main(["--quick", "--seed", value, "--out", str(tmp_path), "--quiet"])
-    assert code == 2
-    assert reason in capsys.readouterr().err
-    assert not (tmp_path / "matrix.json").exists()
 
 
 SEEDED = ["--quick", "--families", "chat", "--clusters", "small4", "--loads", "0.9",
