@@ -444,3 +444,9 @@ def test_stored_draws_under_different_policy_seeds_are_refused(
     assert code == 2
     assert "different policy seeds (draw 1: 0; draw 3: 1)" in capsys.readouterr().err
     assert not out.exists()
+    path.write_text(json.dumps({**document, "seeds": ["one"]}))
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(copy),
+                        "--policy", "least-queue", "--out", str(out)])  # fmt: skip
+    assert code == 2
+    assert "draw-3/matrix.json is not a stored matrix" in capsys.readouterr().err
+    assert not out.exists()
