@@ -35,6 +35,23 @@ and on long documents at high load it kept questions with their documents' endpo
 their decode slowed (down to 0.71 of the best output throughput). The built-in default sets it
 together with the latency estimate's decode term for long prompts, which answers that
 (``predicted-latency-scorer``'s ``decodeMinPromptTokens``).
+
+``pendingYieldTokens`` (0: off) stops a context still being computed from drawing requests
+away from an endpoint that already holds it. The index records blocks at the pick, before the
+endpoint has computed them. So when a long context is placed again on a second endpoint, the
+requests that follow score the second as high as the first holder for the next seconds, and
+some queue there behind the context's own prefill. With the option, a candidate scores 0
+when:
+
+- its match covers at least ``pendingYieldTokens`` tokens;
+- the uncached prompt tokens this picker sent there and that have no first byte yet (the
+  endpoint store's queued prefill) are at least its matched tokens, so the match may still be
+  in the queue;
+- another candidate matches at least as many blocks without such a queue.
+
+The published match is unchanged, so the latency estimate and the other readers still see the
+context as held there. A context nobody has computed yet keeps its burst on the endpoint
+computing it, since no candidate then holds it with a short queue.
 """
 
 from __future__ import annotations
@@ -77,6 +94,7 @@ class PrefixCacheParams:
     lruCapacityPerServer: Annotated[int, Range(ge=1)] = 31250
     mode: Literal["approximate", "precise"] = "approximate"
     cappedMatchIsWhole: bool = False
+    pendingYieldTokens: Annotated[int, NonNegative] = 0
 
 
 class PrefixCacheScorer:
@@ -105,6 +123,7 @@ class PrefixCacheScorer:
         key = ("prefix-index", name, params.blockSizeChars, params.lruCapacityPerServer)
         self.index = ctx.shared_resource(key, ApproximatePrefixIndex, create)
         self._runs: list[int] = []  # by endpoint id, reused by every request
+        self._store = ctx.store
 
     def keys(self, request: LLMRequest) -> list[int]:
         """The request's block keys, computed once per request."""
@@ -142,6 +161,31 @@ class PrefixCacheScorer:
             if run:
                 matched[endpoint.id] = run
                 out[i] = run / total
+        if self.params.pendingYieldTokens and len(matched) > 1:
+            self._yield_pending(candidates, runs, out)
+
+    def _yield_pending(
+        self, candidates: Sequence[Endpoint], runs: list[int], out: list[float]
+    ) -> None:
+        """Zero the score of a long match that may still be queued where another candidate
+        holds as much without such a queue (``pendingYieldTokens``)."""
+        block_tokens = self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN
+        least = self.params.pendingYieldTokens
+        queued = self._store.prefill_tokens
+        pending: list[int] = []
+        settled = 0
+        for i, endpoint in enumerate(candidates):
+            run = runs[endpoint.id]
+            if not run:
+                continue
+            tokens = run * block_tokens
+            if tokens >= least and queued[endpoint.id] >= tokens:
+                pending.append(i)
+            else:
+                settled = max(settled, run)
+        for i in pending:
+            if runs[candidates[i].id] <= settled:
+                out[i] = 0.0
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         keys = self.keys(request)

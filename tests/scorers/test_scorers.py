@@ -230,3 +230,40 @@ def test_a_prefix_scorers_state_and_peer_picks_carry_over_by_address() -> None:
     ids = {address: e.id for address, e in other.by_address.items()}
     assert copy.import_state({**state, "10.9.9.9:1": [1, 2]}, ids) == 10  # unknown: skipped
     assert scores(copy, other, make_request("a" * 100)) == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("least", [0, 100, 1000])
+def test_pending_yield_tokens_stops_a_queued_copy_drawing_requests_from_a_holder(
+    least: int,
+) -> None:
+    """Endpoints 1 and 2 both match a 400-character prompt (100 tokens at 4 characters a
+    token); endpoint 2 still has 150 tokens of prefill queued, enough to be computing it. With
+    ``pendingYieldTokens`` at most 100 it scores 0 while endpoint 1 holds as much with nothing
+    queued; above the match, or off, both score 1. With no settled holder, the queued copy
+    keeps its score."""
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=least)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    endpoints = store.all()
+    for target in (endpoints[1], endpoints[2]):
+        held = make_request("a" * 400)
+        scores(scorer, store, held)
+        scorer.on_pick(
+            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
+        )
+    store.add_prefill(endpoints[2].id, 150.0)
+    request = make_request("a" * 400)
+    yields = least == 100
+    assert scores(scorer, store, request) == [0.0, 1.0, 0.0 if yields else 1.0]
+    assert cached_tokens(request, endpoints[2].id) == 100.0  # the published match is unchanged
+    store.add_prefill(endpoints[1].id, 120.0)  # now both may be computing it
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 1.0]
+    store.prefill_done(endpoints[1].id, 120.0)
+    store.prefill_done(endpoints[2].id, 150.0)
+    store.add_prefill(endpoints[2].id, 90.0)  # 90 queued: less than the match
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 1.0]
+
+
+def test_pending_yield_tokens_refuses_a_negative_value() -> None:
+    with pytest.raises(ConfigError, match=r"parameters\.pendingYieldTokens"):
+        decode(PrefixCacheParams, {"pendingYieldTokens": -1}, "parameters")
