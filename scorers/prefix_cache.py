@@ -51,7 +51,11 @@ when:
 
 The published match is unchanged, so the latency estimate and the other readers still see the
 context as held there. A context nobody has computed yet keeps its burst on the endpoint
-computing it, since no candidate then holds it with a short queue.
+computing it, since no candidate then holds it with a short queue. Judged at 8,192 tokens on
+the routing matrix under three policy seeds, it passed more cells with a lower TTFT on the
+held-out families and on draws no choice had seen, but the held-out half's worst throughput
+cell was worse (long documents at high load: questions kept with a holder that decodes more),
+so the built-in default does not set it (``benchmarks/RESULTS.md`` section 1).
 """
 
 from __future__ import annotations
