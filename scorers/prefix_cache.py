@@ -47,7 +47,9 @@ when:
 - the uncached prompt tokens this picker sent there and that have no first byte yet (the
   endpoint store's queued prefill) are at least its matched tokens, so the match may still be
   in the queue;
-- another candidate matches at least as many blocks without such a queue.
+- another candidate matches at least as many blocks without such a queue (with
+  ``pendingYieldDecode``, and its decode is no busier: the prompt tokens in flight there, per
+  unit of its class's decode speed, are at most the first's).
 
 The published match is unchanged, so the latency estimate and the other readers still see the
 context as held there. A context nobody has computed yet keeps its burst on the endpoint
@@ -99,6 +101,7 @@ class PrefixCacheParams:
     mode: Literal["approximate", "precise"] = "approximate"
     cappedMatchIsWhole: bool = False
     pendingYieldTokens: Annotated[int, NonNegative] = 0
+    pendingYieldDecode: Annotated[float, NonNegative] = 0.0
 
 
 class PrefixCacheScorer:
@@ -128,6 +131,7 @@ class PrefixCacheScorer:
         self.index = ctx.shared_resource(key, ApproximatePrefixIndex, create)
         self._runs: list[int] = []  # by endpoint id, reused by every request
         self._store = ctx.store
+        self._hardware = ctx.hardware
 
     def keys(self, request: LLMRequest) -> list[int]:
         """The request's block keys, computed once per request."""
@@ -176,8 +180,9 @@ class PrefixCacheScorer:
         block_tokens = self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN
         least = self.params.pendingYieldTokens
         queued = self._store.prefill_tokens
+        decode = self.params.pendingYieldDecode
         pending: list[int] = []
-        settled = 0
+        settled: list[tuple[int, float]] = []  # (run, decode load) of each settled holder
         for i, endpoint in enumerate(candidates):
             run = runs[endpoint.id]
             if not run:
@@ -186,10 +191,19 @@ class PrefixCacheScorer:
             if tokens >= least and queued[endpoint.id] >= tokens:
                 pending.append(i)
             else:
-                settled = max(settled, run)
+                settled.append((run, self._decode_load(endpoint) if decode else 0.0))
+        if not settled:
+            return
         for i in pending:
-            if runs[candidates[i].id] <= settled:
+            run = runs[candidates[i].id]
+            load = self._decode_load(candidates[i]) if decode else 0.0
+            if any(r >= run and (not decode or held <= decode * load) for r, held in settled):
                 out[i] = 0.0
+
+    def _decode_load(self, endpoint: Endpoint) -> float:
+        """The KV the endpoint's decode steps read, per unit of its class's decode speed."""
+        speed = self._hardware.of(endpoint.labels).decode_speed
+        return self._store.in_flight_tokens[endpoint.id] / speed
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         keys = self.keys(request)

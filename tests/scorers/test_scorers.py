@@ -17,6 +17,7 @@ from kv_picker.scorers.kv_cache_utilization import (
 )
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
 from kv_picker.scorers.queue import QueueParams, QueueScorer
+from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import (
     ManualClock,
     make_context,
@@ -264,6 +265,66 @@ def test_pending_yield_tokens_stops_a_queued_copy_drawing_requests_from_a_holder
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    ("ratio", "held_tokens", "yields"),
+    [
+        (0.0, 90_000.0, True),  # off: the queued copy yields whatever the holder decodes
+        (2.0, 50_000.0, True),  # the holder decodes at most twice the copy's 30,000 tokens
+        (2.0, 60_000.0, True),  # exactly twice
+        (2.0, 70_000.0, False),  # more than twice: the copy keeps its score
+        (1.0, 40_000.0, False),
+    ],
+)
+def test_pending_yield_decode_keeps_a_queued_copy_where_the_holder_decodes_more(
+    ratio: float, held_tokens: float, yields: bool
+) -> None:
+    """Endpoint 1 holds a 400-character prompt with nothing queued; endpoint 2 holds it with
+    150 tokens of prefill queued and 30,000 prompt tokens in flight. With
+    ``pendingYieldDecode`` the copy yields only while the holder's tokens in flight are at most
+    that many times its own."""
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=100, pendingYieldDecode=ratio)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    endpoints = store.all()
+    for target in (endpoints[1], endpoints[2]):
+        held = make_request("a" * 400)
+        scores(scorer, store, held)
+        scorer.on_pick(
+            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
+        )
+    store.add_prefill(endpoints[2].id, 150.0)
+    store.in_flight_tokens[endpoints[2].id] = 30_000.0
+    store.in_flight_tokens[endpoints[1].id] = held_tokens
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 0.0 if yields else 1.0]
+
+
+def test_pending_yield_decode_counts_tokens_in_flight_per_decode_speed() -> None:
+    """An L4 holder with a tenth of the copy's tokens in flight still decodes more slowly
+    than the H100 computing the copy (about eleven times slower per token): at a ratio of 1
+    the copy keeps its score; with the same tokens on an H100 holder it yields."""
+    for holder, yields in (("L4", False), ("H100", True)):
+        store = make_store(3, labels=[{HARDWARE_CLASS_LABEL: c} for c in ("H100", holder, "H100")])
+        params = PrefixCacheParams(
+            blockSizeChars=10, pendingYieldTokens=100, pendingYieldDecode=1.0
+        )
+        scorer = PrefixCacheScorer("p", params, make_context(store))
+        endpoints = store.all()
+        for target in (endpoints[1], endpoints[2]):
+            held = make_request("a" * 400)
+            scores(scorer, store, held)
+            scorer.on_pick(
+                held,
+                SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])}),
+            )
+        store.add_prefill(endpoints[2].id, 150.0)
+        store.in_flight_tokens[endpoints[2].id] = 30_000.0
+        store.in_flight_tokens[endpoints[1].id] = 3_000.0
+        expected = [0.0, 1.0, 0.0 if yields else 1.0]
+        assert scores(scorer, store, make_request("a" * 400)) == expected, holder
+
+
 def test_pending_yield_tokens_refuses_a_negative_value() -> None:
     with pytest.raises(ConfigError, match=r"parameters\.pendingYieldTokens"):
         decode(PrefixCacheParams, {"pendingYieldTokens": -1}, "parameters")
+    with pytest.raises(ConfigError, match=r"parameters\.pendingYieldDecode"):
+        decode(PrefixCacheParams, {"pendingYieldDecode": -0.5}, "parameters")
