@@ -76,6 +76,7 @@ terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
 seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``); ``heldIsFree`` (false; needs
 ``unit: tokens``); ``heldPendingOnly`` (false; needs ``heldIsFree``);
 ``heldMinTokens`` (0; needs ``heldIsFree``);
+``lightCachedScale`` (0: off; needs ``cachedScale`` and ``lightLoad``); ``lightLoad`` (0; at most 1);
 ``loadWindowSeconds`` (10);
 ``maxNumSeqs`` (0: the load counts pending prefills only).
 
@@ -146,6 +147,20 @@ least N prompt tokens. None of the three is set in the built-in default.
 taken over the loads so reduced. On a lightly loaded pool, where every endpoint holds less than
 that in flight, the scorer leaves the choice to the others (the prefix match, the latency
 estimate); past it, differences count as without it. Not set in the built-in default.
+
+``lightCachedScale`` (0: off; needs ``cachedScale`` and ``lightLoad``) replaces ``cachedScale``
+while the candidates are lightly loaded: below ``lightLoad`` (0-1) of the load ``latencyBandLoad``
+reads (the moving average over ``loadWindowSeconds`` of the share of candidates with a prefill
+pending and, with ``maxNumSeqs``, of their sequence slots in use), on a pool of one decode speed
+that prefills (never a P/D decode pool). A larger scale keeps requests with the endpoint holding
+their context at light load, where spreading them costs a prefill again for little, and leaves
+the spreading ``cachedScale`` gives where the pool is busy, where a fixed larger scale piled
+work on holders (``cachedScale`` 8 on the routing matrix: 197 pooled cells against 203 on draws
+13-15). At 8 below 0.25 it passed one pooled cell more than the default on each half of the
+matrix's draws 1-3 with a lower TTFT on average, but on the held-out half its worst TTFT p90
+cell was 1.50x the best against 1.30x (long documents at 0.6 load on 16 H100s, where the
+measured load was still under 0.25), so the built-in default does not set it
+(``benchmarks/RESULTS.md`` section 1).
 """
 
 from __future__ import annotations
@@ -181,6 +196,8 @@ class ActiveRequestParams:
     charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
     promptScale: Annotated[float, NonNegative] = 0.0
     cachedScale: Annotated[float, NonNegative] = 0.0
+    lightCachedScale: Annotated[float, NonNegative] = 0.0
+    lightLoad: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
     cappedMatchIsWhole: bool = False
     freeLoad: Annotated[float, NonNegative] = 0.0
     latencyBand: Annotated[float, NonNegative] = 0.0
@@ -222,6 +239,12 @@ class ActiveRequestScorer:
                 "cappedMatchIsWhole needs cachedScale (it changes what counts as held)"
             )
         self._capped_whole = params.cappedMatchIsWhole
+        self._light_scale = params.lightCachedScale
+        self._light_load = params.lightLoad
+        if bool(params.lightCachedScale) != bool(params.lightLoad):
+            raise ValueError("lightCachedScale and lightLoad go together (a scale, and below what)")
+        if params.lightCachedScale and not params.cachedScale:
+            raise ValueError("lightCachedScale needs cachedScale (it replaces it at light load)")
         self._band = 1.0 + params.latencyBand if params.latencyBand > 0 else 0.0
         self._tokens = params.unit == "tokens"
         self._chars_per_token = params.charsPerToken
@@ -271,6 +294,11 @@ class ActiveRequestScorer:
 
     def _band_applies(self, candidates: Sequence[Endpoint]) -> bool:
         """latencyBandLoad: the band applies on a pool that prefills, below that load."""
+        return self._lightly_loaded(candidates, self._band_load)
+
+    def _lightly_loaded(self, candidates: Sequence[Endpoint], threshold: float) -> bool:
+        """Whether the candidates are a pool of one decode speed that prefills, loaded below
+        ``threshold`` (the moving average of :meth:`_pool_load`)."""
         if any(e.labels.get(ROLE_LABEL) == "decode" for e in candidates):
             return False  # a P/D decode pool: its prompts are computed by the prefill pool
         hardware = self._hardware
@@ -278,7 +306,7 @@ class ActiveRequestScorer:
             speed = hardware.of(candidates[0].labels).decode_speed
             if any(hardware.of(e.labels).decode_speed != speed for e in candidates):
                 return False  # mixed hardware: a first token is not the whole of a request
-        return self._pool_load(candidates) < self._band_load
+        return self._pool_load(candidates) < threshold
 
     def _pool_load(self, candidates: Sequence[Endpoint]) -> float:
         """The candidates' load, a moving average over loadWindowSeconds (see the module
@@ -395,5 +423,12 @@ class ActiveRequestScorer:
                 # The holder has every block that was looked up; a cached context is
                 # cached as a whole, so moving would recompute the whole prompt.
                 held = max(held, prompt_tokens(request, self._chars_per_token))
-            span = max(span, self._cached_scale * held)
+            scale = self._cached_scale
+            if (
+                held > 0
+                and self._light_scale
+                and self._lightly_loaded(candidates, self._light_load)
+            ):
+                scale = self._light_scale
+            span = max(span, scale * held)
         return span

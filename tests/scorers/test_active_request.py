@@ -250,6 +250,57 @@ def test_cached_scale_damps_spreading_by_what_moving_would_lose() -> None:
         assert out == pytest.approx(expected)
 
 
+def test_light_cached_scale_replaces_cached_scale_while_the_pool_is_lightly_loaded() -> None:
+    """The question above with ``lightCachedScale`` 8 below a load of 0.5: on an idle pool the
+    scale is 8 x 40,000 held tokens, so the holder's 40,000 tokens in flight cost it an eighth;
+    once both endpoints have a prefill pending (load 1, past the 2-second window's average), the
+    scale is cachedScale's again. A P/D decode pool never counts as lightly loaded."""
+    clock = ManualClock()
+    store = make_store(2, labels=[{HARDWARE_CLASS_LABEL: "H100"}] * 2, clock=clock)
+    store.in_flight_tokens[:2] = [40_000, 0]
+    params = ActiveRequestParams(
+        unit="tokens", perHardware=True, fullScale=8192, cachedScale=2,
+        lightCachedScale=8, lightLoad=0.5, loadWindowSeconds=2,
+    )  # fmt: skip
+    scorer = ActiveRequestScorer("a", params, make_context(store))
+
+    def scored() -> list[float]:
+        request = make_request("x" * 160_400)
+        _matched(request, 16.0, {0: 2500}, 2506)
+        out = [0.0, 0.0]
+        scorer.score(request, store.all(), out)
+        return out
+
+    assert scored() == pytest.approx([1 - 40_000 / 320_000, 1.0])
+    for endpoint in store.all():
+        store.add_prefill(endpoint.id, 1000.0)
+    clock.advance(20.0)
+    assert scored() == pytest.approx([0.5, 1.0])
+
+    decode_pool = make_store(2, labels=[{ROLE_LABEL: "decode"}] * 2)
+    decode_pool.in_flight_tokens[:2] = [40_000, 0]
+    on_decode = ActiveRequestScorer("a", params, make_context(decode_pool))
+    request = make_request("x" * 160_400)
+    _matched(request, 16.0, {0: 2500}, 2506)
+    out = [0.0, 0.0]
+    on_decode.score(request, decode_pool.all(), out)
+    assert out == pytest.approx([0.5, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"unit": "tokens", "cachedScale": 2, "lightCachedScale": 8}, "go together"),
+        ({"unit": "tokens", "cachedScale": 2, "lightLoad": 0.2}, "go together"),
+        ({"unit": "tokens", "lightCachedScale": 8, "lightLoad": 0.2}, "needs cachedScale"),
+    ],
+)
+def test_light_cached_scale_is_refused_without_its_partners(
+    document: dict[str, object], message: str
+) -> None:
+    _refused(document, message)
+
+
 def test_cached_scale_takes_the_larger_scale_with_prompt_scale() -> None:
     store = make_store(2)
     store.in_flight_tokens[:2] = [60_000, 0]
