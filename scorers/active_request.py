@@ -150,16 +150,18 @@ estimate); past it, differences count as without it. Not set in the built-in def
 
 ``lightCachedScale`` (0: off; needs ``cachedScale`` and ``lightLoad``) replaces ``cachedScale``
 while the candidates are lightly loaded: below ``lightLoad`` (0-1) of the load ``latencyBandLoad``
-reads (the moving average over ``loadWindowSeconds`` of the share of candidates with a prefill
-pending and, with ``maxNumSeqs``, of their sequence slots in use), on a pool of one decode speed
-that prefills (never a P/D decode pool). A larger scale keeps requests with the endpoint holding
-their context at light load, where spreading them costs a prefill again for little, and leaves
-the spreading ``cachedScale`` gives where the pool is busy, where a fixed larger scale piled
+reads (the moving average over ``loadWindowSeconds`` of the larger of the share of candidates
+with a prefill pending and, with ``maxNumSeqs``, the share of their sequence slots in use),
+sampled at the requests some candidate holds context for; never on a P/D decode pool, nor,
+with ``perHardware``, on a pool of mixed decode speeds. A larger scale keeps requests with
+the endpoint holding their context at light load, where spreading them costs a prefill again
+for little, and leaves the spreading ``cachedScale`` gives where the pool is busy, where a
+fixed larger scale piled
 work on holders (``cachedScale`` 8 on the routing matrix: 197 pooled cells against 203 on draws
 13-15). At 8 below 0.25 it passed one pooled cell more than the default on each half of the
 matrix's draws 1-3 with a lower TTFT on average, but on the held-out half its worst TTFT p90
 cell was 1.50x the best against 1.30x (long documents at 0.6 load on 16 H100s, where the
-measured load was still under 0.25), so the built-in default does not set it
+measured load is often under 0.25), so the built-in default does not set it
 (``benchmarks/RESULTS.md`` section 1).
 """
 

@@ -122,6 +122,8 @@ class PrefixCacheScorer:
         return None
 
     def __init__(self, name: str, params: PrefixCacheParams, ctx: BuildContext) -> None:
+        if params.pendingYieldDecode and not params.pendingYieldTokens:
+            raise ValueError("pendingYieldDecode needs pendingYieldTokens (it narrows that yield)")
         self.name = name
         self.params = params
 

@@ -631,15 +631,18 @@ def versus_gie(result: CellResult, name: str) -> VersusGie | None:
     ours = result.metrics.get(name)
     if gie is None or ours is None:
         return None
-    pairs = (
+    judged = (
         (ours.ttft_s["mean"], gie.ttft_s["mean"]),
         (ours.ttft_s["p90"], gie.ttft_s["p90"]),
         (ours.output_tokens_per_s, gie.output_tokens_per_s),
-        (ours.sustained_tokens_per_s, gie.sustained_tokens_per_s),
     )
-    if any(not reference > 0.0 for _, reference in pairs):
+    if any(not reference > 0.0 for _, reference in judged):
         return None
-    return VersusGie(*(value / reference for value, reference in pairs))
+    sustained = gie.sustained_tokens_per_s
+    return VersusGie(
+        *(value / reference for value, reference in judged),
+        ours.sustained_tokens_per_s / sustained if sustained > 0.0 else math.nan,
+    )
 
 
 def passing_policies(result: CellResult) -> list[str]:
@@ -1623,6 +1626,18 @@ def _common_cells(per_draw: Mapping[int, Sequence[CellResult]]) -> list[Cell]:
     return [result.cell for result in first if all(result.cell in cells for cells in found)]
 
 
+def _pooled_sustained(results: Sequence[CellResult], runs: Sequence[PolicyMetrics]) -> float:
+    """The runs' sustained rates pooled over their draws' arrival windows (see
+    :func:`pooled_results`)."""
+    windows = [
+        r.requests / r.offered_rate_per_s if r.offered_rate_per_s > 0 else math.nan for r in results
+    ]
+    rates = [m.sustained_tokens_per_s for m in runs]
+    if all(w > 0 for w in windows):
+        return sum(rate * w for rate, w in zip(rates, windows, strict=True)) / sum(windows)
+    return sum(rates) / len(rates)
+
+
 def pooled_results(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellResult]:
     """Each cell's figures over all its draws, as if the draws had run back to back.
 
@@ -1632,7 +1647,10 @@ def pooled_results(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellRes
     - TTFT mean: the mean over every served request of every draw (exact);
     - TTFT p50 / p90 / p99: the mean of the draws' percentiles (the requests themselves are not
       kept; the union's percentile would differ a little);
-    - output tokens/s: all draws' output tokens over the sum of their makespans (exact).
+    - output tokens/s: all draws' output tokens over the sum of their makespans (exact);
+    - sustained tokens/s: the draws' sustained rates weighted by their arrival windows (each
+      draw's requests over its offered rate), so tokens produced while requests arrive over
+      the summed windows; the plain mean where a draw's rate is unknown.
 
     Only cells present in every draw and policies run in every draw are pooled; the floors
     and bounds are the first draw's.
@@ -1657,6 +1675,7 @@ def pooled_results(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellRes
                 ok=served,
                 ttft_s=ttft,
                 output_tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
+                sustained_tokens_per_s=_pooled_sustained(results, runs),
                 makespan_s=makespan,
             )
         first = results[0]

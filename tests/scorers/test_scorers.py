@@ -298,6 +298,35 @@ def test_pending_yield_decode_keeps_a_queued_copy_where_the_holder_decodes_more(
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 0.0 if yields else 1.0]
 
 
+def test_a_queued_copy_does_not_yield_to_a_holder_that_matches_less() -> None:
+    """Endpoint 1 holds only the first half of the prompt, with nothing queued; endpoint 2
+    holds all of it with its prefill queued: it keeps its score, since the settled holder
+    would compute the rest again."""
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=40)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    endpoints = store.all()
+    for target, prompt in ((endpoints[1], "a" * 200), (endpoints[2], "a" * 400)):
+        held = make_request(prompt)
+        scores(scorer, store, held)
+        scorer.on_pick(
+            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
+        )
+    store.add_prefill(endpoints[2].id, 150.0)
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.5, 1.0]
+
+
+def test_pending_yield_decode_needs_pending_yield_tokens() -> None:
+    document = {
+        "plugins": [
+            {"type": "prefix-cache-scorer", "parameters": {"pendingYieldDecode": 2}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match="pendingYieldDecode needs pendingYieldTokens"):
+        make_scheduler(document, make_store(2))
+
+
 def test_pending_yield_decode_counts_tokens_in_flight_per_decode_speed() -> None:
     """An L4 holder with a tenth of the copy's tokens in flight still decodes more slowly
     than the H100 computing the copy (about eleven times slower per token): at a ratio of 1
