@@ -233,6 +233,17 @@ def test_a_prefix_scorers_state_and_peer_picks_carry_over_by_address() -> None:
     assert scores(copy, other, make_request("a" * 100)) == [0.0, 0.0, 1.0]
 
 
+def _held_at(scorer: PrefixCacheScorer, store, placed) -> None:  # type: ignore[no-untyped-def]
+    """Record each (endpoint, prompt) pick of ``placed`` with the scorer, as the picker does."""
+    for target, prompt in placed:
+        held = make_request(prompt)
+        scores(scorer, store, held)
+        scorer.on_pick(
+            held,
+            SchedulingResult("default", {"default": ProfileResult([target], store.all(), [])}),
+        )
+
+
 @pytest.mark.parametrize("least", [0, 100, 1000])
 def test_pending_yield_tokens_stops_a_queued_copy_drawing_requests_from_a_holder(
     least: int,
@@ -246,12 +257,7 @@ def test_pending_yield_tokens_stops_a_queued_copy_drawing_requests_from_a_holder
     params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=least)
     scorer = PrefixCacheScorer("p", params, make_context(store))
     endpoints = store.all()
-    for target in (endpoints[1], endpoints[2]):
-        held = make_request("a" * 400)
-        scores(scorer, store, held)
-        scorer.on_pick(
-            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
-        )
+    _held_at(scorer, store, [(endpoints[1], "a" * 400), (endpoints[2], "a" * 400)])
     store.add_prefill(endpoints[2].id, 150.0)
     request = make_request("a" * 400)
     yields = least == 100
@@ -286,12 +292,7 @@ def test_pending_yield_decode_keeps_a_queued_copy_where_the_holder_decodes_more(
     params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=100, pendingYieldDecode=ratio)
     scorer = PrefixCacheScorer("p", params, make_context(store))
     endpoints = store.all()
-    for target in (endpoints[1], endpoints[2]):
-        held = make_request("a" * 400)
-        scores(scorer, store, held)
-        scorer.on_pick(
-            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
-        )
+    _held_at(scorer, store, [(endpoints[1], "a" * 400), (endpoints[2], "a" * 400)])
     store.add_prefill(endpoints[2].id, 150.0)
     store.in_flight_tokens[endpoints[2].id] = 30_000.0
     store.in_flight_tokens[endpoints[1].id] = held_tokens
@@ -306,12 +307,7 @@ def test_a_queued_copy_does_not_yield_to_a_holder_that_matches_less() -> None:
     params = PrefixCacheParams(blockSizeChars=10, pendingYieldTokens=40)
     scorer = PrefixCacheScorer("p", params, make_context(store))
     endpoints = store.all()
-    for target, prompt in ((endpoints[1], "a" * 200), (endpoints[2], "a" * 400)):
-        held = make_request(prompt)
-        scores(scorer, store, held)
-        scorer.on_pick(
-            held, SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])})
-        )
+    _held_at(scorer, store, [(endpoints[1], "a" * 200), (endpoints[2], "a" * 400)])
     store.add_prefill(endpoints[2].id, 150.0)
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.5, 1.0]
 
@@ -338,13 +334,7 @@ def test_pending_yield_decode_counts_tokens_in_flight_per_decode_speed() -> None
         )
         scorer = PrefixCacheScorer("p", params, make_context(store))
         endpoints = store.all()
-        for target in (endpoints[1], endpoints[2]):
-            held = make_request("a" * 400)
-            scores(scorer, store, held)
-            scorer.on_pick(
-                held,
-                SchedulingResult("default", {"default": ProfileResult([target], endpoints, [])}),
-            )
+        _held_at(scorer, store, [(endpoints[1], "a" * 400), (endpoints[2], "a" * 400)])
         store.add_prefill(endpoints[2].id, 150.0)
         store.in_flight_tokens[endpoints[2].id] = 30_000.0
         store.in_flight_tokens[endpoints[1].id] = 3_000.0
