@@ -1912,13 +1912,16 @@ SEED_SPREAD = 1.05
 @dataclass(slots=True)
 class SeedVerdicts:
     """The default's verdicts under one policy seed (or, ``seed`` None, the seeds pooled):
-    cells passed per draw, and with the draws pooled (None for one draw)."""
+    cells passed per draw, and with the draws pooled (None for one draw); and its worst ratios
+    to the best policy over the judged cells (TTFT mean, TTFT p90, best throughput over its),
+    with their cells, which tell how far a worst cell moves with the tie-breaks alone."""
 
     seed: int | None
     passed: list[int]
     passed_pooled: int | None
     nobody_passes_pooled: int | None
     failed: list[str]
+    worst: list[tuple[float, str]] | None = None
 
 
 @dataclass(slots=True)
@@ -1952,6 +1955,18 @@ def seed_verdicts(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) ->
         judged = _judged_pooled(runs)
         failed = [r.cell.label for r in judged if default_verdict(r) is not None and not _passes(r)]
         several = len(draws) > 1
+        mine = next((x for x in summarize_policies(judged) if x.policy == DEFAULT_POLICY), None)
+        worst = (
+            None
+            if mine is None
+            else [
+                mine.worst_ttft_mean,
+                mine.worst_ttft_p90,
+                (1.0 / mine.worst_throughput[0], mine.worst_throughput[1])
+                if mine.worst_throughput[0] > 0
+                else (math.inf, mine.worst_throughput[1]),
+            ]
+        )
         rows.append(
             SeedVerdicts(
                 seed,
@@ -1959,6 +1974,7 @@ def seed_verdicts(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) ->
                 sum(_passes(r) for r in judged) if several else None,
                 sum(not passing_policies(r) for r in judged) if several else None,
                 failed,
+                worst,
             )
         )
     return rows
@@ -2043,13 +2059,17 @@ def seeds_report(
         "",
         "| seeds | "
         + " | ".join(f"pass, draw {d}" for d in draws)
-        + (" | pass, draws pooled | no policy passes, pooled |" if several else " |"),
-        "|---|" + "---:|" * (len(draws) + (2 if several else 0)),
+        + (" | pass, draws pooled | no policy passes, pooled |" if several else " |")
+        + " worst TTFT mean | worst TTFT p90 | worst best ÷ throughput |",
+        "|---|" + "---:|" * (len(draws) + (2 if several else 0)) + "---|---|---|",
     ]
     for row in verdicts:
         label = "pooled" if row.seed is None else str(row.seed)
         tail = f" | {row.passed_pooled} | {row.nobody_passes_pooled} |" if several else " |"
-        lines.append(f"| {label} | " + " | ".join(map(str, row.passed)) + tail)
+        worst = " – | – | – |"
+        if row.worst is not None:
+            worst = "".join(f" {value:.3f} ({cell}) |" for value, cell in row.worst)
+        lines.append(f"| {label} | " + " | ".join(map(str, row.passed)) + tail + worst)
     own = [set(row.failed) for row in verdicts if row.seed is not None]
     always, sometimes = set.intersection(*own), set.union(*own)
     where = "with the draws pooled" if several else "in the draw"

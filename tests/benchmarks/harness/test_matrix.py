@@ -555,6 +555,12 @@ def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
     assert rows[0].failed == ["chat / 0.6 / small4 / llama-3.1-8b-h100"]
     assert rows[1].passed == [2, 1] and rows[1].passed_pooled == 1
     assert rows[1].failed == ["rag / 0.6 / small4 / llama-3.1-8b-h100"]
+    # The default's worst cells move with the seed: 1.2x the best TTFT mean on chat under seed
+    # 0; under seed 1, rag's 1.0 against the GIE default's pooled 0.95.
+    assert rows[0].worst is not None and rows[1].worst is not None
+    assert rows[0].worst[0] == (pytest.approx(1.2), "chat / 0.6 / small4 / llama-3.1-8b-h100")
+    assert rows[1].worst[0] == (pytest.approx(1 / 0.95), "rag / 0.6 / small4 / llama-3.1-8b-h100")
+    assert rows[0].worst[1][0] == pytest.approx(1.0) and rows[0].worst[2][0] == pytest.approx(1.0)
     spreads = {s.policy: s for s in matrix.self_spreads(per_seed)}
     assert spreads["round-robin"].spread_runs == 0 and spreads["round-robin"].largest == 1.0
     assert spreads["kv-picker"].cell_runs == 4 and spreads["kv-picker"].spread_runs == 2
@@ -562,5 +568,6 @@ def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
     assert spreads["gie-default"].spread_runs == 3  # chat twice, rag in draw 2
     text = matrix.seeds_report("t", "cmd", per_seed)
     assert "fails 0 cells under every seed and 2 under at least one: 2 cells" in text
+    assert "| 0 | 1 | 1 | 1 | 0 | 1.200 (chat / 0.6 / small4 / llama-3.1-8b-h100) |" in text
     assert "| chat / 0.6 / small4 / llama-3.1-8b-h100 | tuning | 0 |" in text
     assert "| rag / 0.6 / small4 / llama-3.1-8b-h100 | held-out | 1 |" in text
