@@ -626,7 +626,8 @@ class VersusGie:
 
 def versus_gie(result: CellResult, name: str) -> VersusGie | None:
     """Policy ``name``'s figures over the GIE default's in the cell (None when either did not
-    run there, or a figure of the GIE default is not positive)."""
+    run there, or a judged figure of the GIE default is not positive; the sustained ratio is
+    NaN where the GIE default's sustained rate is not positive)."""
     gie = result.metrics.get(GIE_DEFAULT)
     ours = result.metrics.get(name)
     if gie is None or ours is None:
@@ -1913,7 +1914,8 @@ SEED_SPREAD = 1.05
 class SeedVerdicts:
     """The default's verdicts under one policy seed (or, ``seed`` None, the seeds pooled):
     cells passed per draw, and with the draws pooled (None for one draw); and its worst ratios
-    to the best policy over the judged cells (TTFT mean, TTFT p90, best throughput over its),
+    to the best policy over the judged cells (TTFT mean, TTFT p90, the best throughput over
+    its own),
     with their cells, which tell how far a worst cell moves with the tie-breaks alone."""
 
     seed: int | None
