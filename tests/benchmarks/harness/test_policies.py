@@ -477,3 +477,28 @@ def test_the_seeding_weight_candidates_change_only_that_weight(name: str, weight
     base_weights = {e.plugin_ref: e.weight for e in base.entries}
     assert base_weights["recent-work-scorer"] == 0.5
     assert weights == {**base_weights, "recent-work-scorer": weight}
+
+
+def test_the_combined_candidate_is_its_two_candidates_together() -> None:
+    # results/candidates/saturated-pending-yield/ judges it as the default with
+    # pending-yield-decode.yaml's prefix scorer and saturated-above-2.yaml's latency estimate,
+    # each of which differs from the default in that one plugin only.
+    profiles, plugins = _parsed(f"c={PROFILES / 'saturated-pending-yield.yaml'}")
+    yield_kind, _, yield_params = _one_changed_plugin(
+        f"y={PROFILES / 'pending-yield-decode.yaml'}", "kv-picker"
+    )
+    saturated_kind, _, saturated_params = _one_changed_plugin(
+        f"s={PROFILES / 'saturated-above-2.yaml'}", "kv-picker"
+    )
+    default_profiles, default_plugins = _parsed("kv-picker")
+    assert (yield_kind, saturated_kind) == ("prefix-cache-scorer", "predicted-latency-scorer")
+    assert profiles == default_profiles
+    by_kind = {kind: params for (_, kind, params) in plugins}
+    default_by_kind = {kind: params for (_, kind, params) in default_plugins}
+    assert by_kind.pop("prefix-cache-scorer") == yield_params
+    assert by_kind.pop("predicted-latency-scorer") == saturated_params
+    del default_by_kind["prefix-cache-scorer"], default_by_kind["predicted-latency-scorer"]
+    assert by_kind == default_by_kind
+    assert [(name, kind) for name, kind, _ in plugins] == [
+        (name, kind) for name, kind, _ in default_plugins
+    ]
