@@ -14,6 +14,12 @@ Figures are compared at the stored precision (six decimals), as the matrix itsel
 (:func:`~kv_picker_bench.harness.matrix.run_matrix` rounds each run's figures so): a verdict
 here on the stored default is the stored verdict.
 
+With several policy seeds, and the stored matrix's own runs of each seed kept beside its pooled
+figures (``DIR/seed-N/draw-M/``, as a matrix run with several ``--seed`` writes them), each
+seed is also judged alone: that seed's stored runs with the candidates' runs under the same
+seed (:func:`per_seed_counts`). A pooled count moves by a few cells from seed to seed; the
+per-seed rows compare a candidate with the default under the same tie-breaks, seed by seed.
+
 The traces must be the ones the stored matrix replayed: every family's generator spec (and the
 conversation window) is compared with the stored one, and a difference (another
 ``--family-seed``, ``--quick``) is refused before any run.
@@ -139,6 +145,50 @@ def stored_seeds(folder: Path, draws: Sequence[int]) -> list[int]:
             f"--against: the stored draws ran under different policy seeds ({described})"
         )
     return list(next(iter(found)))
+
+
+def stored_seed_paths(
+    folder: Path, seeds: Sequence[int], draws: Sequence[int]
+) -> dict[int, dict[int, Path]] | None:
+    """Each policy seed's own stored run of each draw (``seed-N/draw-M/matrix.json`` or
+    ``.json.gz``), or None when the stored matrix lacks any of them (a matrix stored under one
+    seed, or its seeds' runs not kept)."""
+    if len(seeds) < 2:
+        return None
+    paths: dict[int, dict[int, Path]] = {}
+    for seed in seeds:
+        paths[seed] = {}
+        for draw in draws:
+            try:
+                paths[seed][draw] = stored_matrix_path(folder / f"seed-{seed}", draw, len(draws))
+            except UsageError:
+                return None
+    return paths
+
+
+@dataclass(slots=True)
+class SeedCounts:
+    """Cells passed under one policy seed alone, over every cell: ``counts`` maps each policy
+    (the stored default first, then the candidates) to its count with the draws pooled and its
+    counts per draw."""
+
+    seed: int
+    counts: dict[str, tuple[int, list[int]]]
+
+
+def per_seed_counts(
+    per_seed_draw: Mapping[int, Mapping[int, Sequence[CellResult]]], candidates: Sequence[str]
+) -> list[SeedCounts]:
+    """For each seed, the stored default and each candidate judged as the default (as
+    :func:`judge`, over every cell) on that seed's runs alone."""
+    out = []
+    for seed, per_draw in per_seed_draw.items():
+        counts = {}
+        for name in [DEFAULT_POLICY, *candidates]:
+            (whole,) = [j for j in judge(per_draw, name, candidates) if j.split == "all"]
+            counts[name] = (whole.pooled, whole.passed)
+        out.append(SeedCounts(seed, counts))
+    return out
 
 
 def restrict_plan(
@@ -401,10 +451,11 @@ def against_report(
     draws: Sequence[int],
     reach: Sequence[Reach] | None = None,
     seeds: tuple[Sequence[int], Sequence[int]] = ((0,), (0,)),
+    per_seed: Sequence[SeedCounts] | None = None,
 ) -> str:
     """Markdown: each policy's verdicts as the default, per split, and its pooled failures;
     with ``reach`` (``--cells``), the candidates that pass each cell instead of the failures
-    (a run of many candidates on a few cells)."""
+    (a run of many candidates on a few cells); with ``per_seed``, each seed judged alone."""
     lines = [
         f"# {title}",
         "",
@@ -436,6 +487,8 @@ def against_report(
             f"| {j.worst_ttft_p90[0]:.2f} ({j.worst_ttft_p90[1]}) "
             f"| {j.worst_inverse_throughput[0]:.2f} ({j.worst_inverse_throughput[1]}) |"
         )
+    if per_seed:
+        lines += _per_seed_lines(per_seed)
     if reach is not None:
         return "\n".join(lines + _reach_lines(reach)) + "\n"
     for j in judgements:
@@ -447,6 +500,40 @@ def against_report(
             for (label, reasons), who in zip(j.failures, j.who_passes, strict=True)
         ]
     return "\n".join(lines) + "\n"
+
+
+def _per_seed_lines(per_seed: Sequence[SeedCounts]) -> list[str]:
+    names = list(per_seed[0].counts)
+    lines = [
+        "",
+        "## Each policy seed alone",
+        "",
+        "Every cell judged under one policy seed at a time: the stored matrix's own runs of that "
+        "seed (`seed-N/`) with the candidates' runs under the same seed, so that each candidate "
+        "meets the default's tie-breaks. Cells passed with the draws pooled, and in brackets per "
+        "draw. The default's own count moves from seed to seed by tie-breaks alone; a "
+        "candidate's lead smaller than that is not yet a lead.",
+        "",
+        "| seed | " + " | ".join(names) + " |",
+        "|---:|" + "---|" * len(names),
+    ]
+    for row in per_seed:
+        cells = [
+            f"{pooled} ({' / '.join(map(str, passed))})"
+            for pooled, passed in (row.counts[name] for name in names)
+        ]
+        lines.append(f"| {row.seed} | " + " | ".join(cells) + " |")
+    default = [row.counts[DEFAULT_POLICY][0] for row in per_seed]
+    lines += ["", f"The default's pooled count ranges over {min(default)}–{max(default)}."]
+    for name in names[1:]:
+        diffs = [row.counts[name][0] - row.counts[DEFAULT_POLICY][0] for row in per_seed]
+        more = sum(1 for d in diffs if d > 0)
+        fewer = sum(1 for d in diffs if d < 0)
+        lines[-1] += (
+            f" {name}: more pooled cells than the default under {more} of {len(diffs)} seeds, "
+            f"fewer under {fewer} (differences {', '.join(f'{d:+d}' for d in diffs)})."
+        )
+    return lines
 
 
 def _reach_lines(reach: Sequence[Reach]) -> list[str]:
@@ -513,9 +600,11 @@ def against_json(
     candidates: Sequence[str],
     reach: Sequence[Reach] | None = None,
     seeds: tuple[Sequence[int], Sequence[int]] = ((0,), (0,)),
+    per_seed: Sequence[SeedCounts] | None = None,
 ) -> dict[str, Any]:
-    """The judgements, each cell's reach (``--cells``), and every candidate's own metrics per
-    draw and cell."""
+    """The judgements, each cell's reach (``--cells``), each seed's counts judged alone
+    (``per_seed``, when the stored matrix kept its seeds' runs), and every candidate's own
+    metrics per draw and cell."""
     return {
         "command": command,
         "against": folder,
@@ -525,6 +614,19 @@ def against_json(
             else {"seeds": list(seeds[0]), "stored_seeds": list(seeds[1])}
         ),
         "judgements": [{name: getattr(j, name) for name in j.__slots__} for j in judgements],
+        **(
+            {}
+            if not per_seed
+            else {
+                "per_seed": {
+                    str(row.seed): {
+                        name: {"pooled": pooled, "passed": passed}
+                        for name, (pooled, passed) in row.counts.items()
+                    }
+                    for row in per_seed
+                }
+            }
+        ),
         "reach": None
         if reach is None
         else [{name: getattr(r, name) for name in r.__slots__} for r in reach],

@@ -1525,6 +1525,12 @@ def _against(
     if args.sample:
         policies = [*policies, *sample_policies(args.sample, args.sample_seed, folder / "samples")]
         names = [policy.name for policy in policies]
+    seed_paths = (
+        against.stored_seed_paths(args.against, seeds, draws)
+        if set(seeds) <= set(stored_seeds)
+        else None
+    )
+    per_seed_draw: dict[int, dict[int, list[CellResult]]] = {seed: {} for seed in seeds}
     per_draw: dict[int, list[CellResult]] = {}
     for draw, stored in stored_draws.items():
         plan = plan_matrix(
@@ -1540,19 +1546,27 @@ def _against(
                 f"({len(plan.jobs())} runs)",
                 file=sys.stderr,
             )
-        per_draw[draw] = against.merge(stored, run_seeds(plan, seeds, args.jobs, args.quiet)[0])
+        pooled, per_seed = run_seeds(plan, seeds, args.jobs, args.quiet)
+        per_draw[draw] = against.merge(stored, pooled)
+        if seed_paths is not None:
+            for seed in seeds:
+                own = against.load_stored(seed_paths[seed][draw], draw, args.quick)
+                per_seed_draw[seed][draw] = against.merge(own, per_seed[seed])
     judgements = [
         j for name in [DEFAULT_POLICY, *names] for j in against.judge(per_draw, name, names)
     ]
     reach = against.reach(per_draw, names) if selected is not None else None
+    seed_counts = against.per_seed_counts(per_seed_draw, names) if seed_paths is not None else None
     title = args.title or "Candidates judged as the default"
     shown = portable_path(str(args.against))
     text = against.against_report(
-        title, command, shown, judgements, list(per_draw), reach, (seeds, stored_seeds)
-    )
+        title, command, shown, judgements, list(per_draw), reach, (seeds, stored_seeds),
+        seed_counts,
+    )  # fmt: skip
     (folder / "against.md").write_text(text, encoding="utf-8")
     write_json(folder / "against.json", against.against_json(
-        command, shown, judgements, per_draw, names, reach, (seeds, stored_seeds)))  # fmt: skip
+        command, shown, judgements, per_draw, names, reach, (seeds, stored_seeds),
+        seed_counts))  # fmt: skip
     print(text)
     print(f"results: {folder}")
     return EXIT_OK

@@ -17,6 +17,7 @@ from kv_picker_bench.harness.against import (
     against_report,
     judge,
     load_stored,
+    per_seed_counts,
     reach,
     select_cells,
 )
@@ -101,6 +102,34 @@ def test_each_candidate_is_judged_without_the_others_and_without_the_stored_defa
     # The margins against the stored default, which the verdicts do not count.
     assert rows["fast"].versus_default == pytest.approx((1.0, 1.0, 1.0))
     assert rows["slow"].versus_default == pytest.approx((2.08, 2.08, 1.0))
+
+
+def test_each_seed_alone_counts_the_default_and_each_candidate_on_that_seeds_runs() -> None:
+    def draw(default_ttft: float, candidate_ttft: float) -> list[CellResult]:
+        return [
+            cell_result(
+                metrics("kv-picker", default_ttft, default_ttft, 100.0),
+                metrics("gie-default", 1.0, 1.0, 100.0),
+                metrics("cand", candidate_ttft, candidate_ttft, 100.0),
+            )
+        ]
+
+    # Seed 0: the candidate passes where the default trails the GIE default; seed 1: both pass;
+    # seed 2: the default passes and the candidate does not.
+    per_seed = {0: {1: draw(1.2, 0.9)}, 1: {1: draw(0.9, 0.9)}, 2: {1: draw(0.9, 1.2)}}
+    rows = per_seed_counts(per_seed, ["cand"])
+    assert [(r.seed, r.counts) for r in rows] == [
+        (0, {"kv-picker": (0, [0]), "cand": (1, [1])}),
+        (1, {"kv-picker": (1, [1]), "cand": (1, [1])}),
+        (2, {"kv-picker": (1, [1]), "cand": (0, [0])}),
+    ]
+    text = against_report("t", "c", "f", [], [1], None, ((0, 1, 2), (0, 1, 2)), rows)
+    assert "| 0 | 0 (0) | 1 (1) |" in text and "| 2 | 1 (1) | 0 (0) |" in text
+    assert "The default's pooled count ranges over 0–1." in text
+    assert (
+        "cand: more pooled cells than the default under 1 of 3 seeds, fewer under 1 "
+        "(differences +1, +0, -1)." in text
+    )
 
 
 def test_the_margin_against_the_default_is_a_geometric_mean_over_the_cells() -> None:
@@ -417,6 +446,19 @@ def test_candidates_run_under_the_stored_matrixs_policy_seeds(tmp_path: Path) ->
         "the candidates ran under seeds 0, 1, as the stored policies did"
         in (out / "against.md").read_text()
     )
+    # Each seed judged alone: a copy of the default gets the stored default's own count under
+    # that seed, which is the stored matrix's per-seed verdict (seeds.json).
+    per_seed = report["per_seed"]
+    verdicts = json.loads((stored / "seeds.json").read_text())["verdicts"]
+    verdicts = [v for v in verdicts if v["seed"] is not None]  # the last row: seeds pooled
+    assert sorted(per_seed) == ["0", "1"] and len(verdicts) == 2
+    for verdict in verdicts:
+        row = per_seed[str(verdict["seed"])]
+        expected = {"pooled": verdict["passed_pooled"], "passed": verdict["passed"]}
+        assert row["kv-picker"] == row["same"] == expected
+    text = (out / "against.md").read_text()
+    assert "## Each policy seed alone" in text
+    assert "same: more pooled cells than the default under 0 of 2 seeds, fewer under 0" in text
     # Asked for another seed, the candidate runs under it alone, and the report says so.
     other = tmp_path / "other"
     code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(stored), "--seed", "2",
@@ -424,6 +466,7 @@ def test_candidates_run_under_the_stored_matrixs_policy_seeds(tmp_path: Path) ->
     assert code == 0
     report = json.loads((other / "against.json").read_text())
     assert report["seeds"] == [2] and report["stored_seeds"] == [0, 1]
+    assert "per_seed" not in report
     assert (
         "the candidates ran under seed 2, the stored policies under seeds 0, 1"
         in (other / "against.md").read_text()
