@@ -1256,6 +1256,16 @@ def build_parser() -> argparse.ArgumentParser:
         "command) again from its matrix.json files, with this version's report code "
         "(give --quick if the stored run was quick)",
     )
+    parser.add_argument(
+        "--refresh",
+        type=Path,
+        metavar="DIR",
+        help="a stored matrix: run the built-in default (kv-picker) alone again on its draws, "
+        "cells and policy seeds, and write a whole matrix to --out with every other stored "
+        "policy's runs kept as they are: after a change to the default, its figures without "
+        "running the baselines again (each policy's run is independent of the others' and "
+        "deterministic under its seed)",
+    )
     parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
     parser.add_argument("--title", default="", help="title of the Markdown report")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -1287,6 +1297,13 @@ def _matrix(argv: Sequence[str]) -> int:
         if args.against is not None or args.policy or args.seed is not None:
             raise UsageError("--report runs nothing: it takes no --against, --policy or --seed")
         return _rewrite_reports(args)
+    if args.refresh is not None:
+        if args.against is not None or args.policy or args.seed is not None or args.sample:
+            raise UsageError(
+                "--refresh runs the built-in default on the stored matrix's own seeds: it takes "
+                "no --against, --policy, --seed or --sample"
+            )
+        return _refresh(args, argv, draws, families, loads, clusters, timings)
     cells = parse_cells(args.cells)
     if args.against is None and (args.cells != "all" or args.sample):
         raise UsageError("--cells and --sample judge candidates on a stored matrix: give --against")
@@ -1461,6 +1478,104 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
         }
         _write_seeds_reports(folder, title, command, per_seed)
     print(f"reports written again from the stored figures: {folder}")
+    return EXIT_OK
+
+
+def _refresh(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    draws: Sequence[int],
+    families: Sequence[str],
+    loads: Sequence[float],
+    clusters: Sequence[str],
+    timings: Sequence[str],
+) -> int:
+    """``--refresh DIR``: the built-in default run again on a stored matrix's cells, under each
+    of its policy seeds, with the stored runs of every other policy kept; written as a whole
+    matrix (each seed's figures, the seeds pooled, the reports) to ``--out``."""
+    from kv_picker_bench.harness import against
+
+    if args.out is not None and args.out.resolve() == args.refresh.resolve():
+        raise UsageError("--refresh writes a new matrix: give an --out other than the stored one")
+    stored_draws = {
+        draw: against.load_stored(
+            against.stored_matrix_path(args.refresh, draw, len(draws)), draw, args.quick
+        )
+        for draw in draws
+    }
+    seeds = against.stored_seeds(args.refresh, draws)
+    seed_paths = against.stored_seed_paths(args.refresh, seeds, draws)
+    if len(seeds) > 1 and seed_paths is None:
+        raise UsageError(
+            f"--refresh: {args.refresh} pools policy seeds {', '.join(map(str, seeds))} but has "
+            "not kept each seed's runs (seed-N/draw-M/), which the refresh replaces one by one"
+        )
+    (default,) = resolve_policies([DEFAULT_POLICY])
+    folder = results_dir(args, "matrix", "matrix")
+    command = record_command(folder, "matrix", argv)
+    title = args.title or "Routing-policy matrix"
+    per_draw: dict[int, list[CellResult]] = {}
+    per_seed: dict[int, dict[int, list[CellResult]]] = {seed: {} for seed in seeds}
+    started = time.perf_counter()
+    for draw, stored in stored_draws.items():
+        plan = plan_matrix(
+            families, loads, clusters, timings, [default], args.quick,
+            cluster_overrides(args.responses), draw,
+        )  # fmt: skip
+        against.restrict_plan(plan, stored)
+        if not plan.cells:
+            raise UsageError(f"--refresh: draw {draw} has none of the cells asked for")
+        if not args.quiet:
+            print(
+                f"refresh draw {draw}: {len(plan.cells)} cells, {DEFAULT_POLICY} under seeds "
+                f"{', '.join(map(str, seeds))}",
+                file=sys.stderr,
+            )
+        draw_started = time.perf_counter()
+        _, fresh = run_seeds(plan, seeds, args.jobs, args.quiet)
+        wall_s = time.perf_counter() - draw_started
+        seed_results = {}
+        for seed in seeds:
+            own = (
+                stored
+                if seed_paths is None
+                else against.load_stored(seed_paths[seed][draw], draw, args.quick)
+            )
+            seed_results[seed] = against.merge(own, fresh[seed])
+        out = folder / draw_folder(draw, len(draws))
+        out.mkdir(parents=True, exist_ok=True)
+        if len(seeds) > 1:
+            for seed, results in seed_results.items():
+                per_seed[seed][draw] = results
+                seed_out = folder / f"seed-{seed}" / draw_folder(draw, len(draws))
+                seed_out.mkdir(parents=True, exist_ok=True)
+                write_json(
+                    seed_out / "matrix.json",
+                    results_json(command, results, math.nan, draw, args.quick, [seed]),
+                )
+            results = pool_seeds(seed_results)
+        else:
+            results = seed_results[seeds[0]]
+        draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
+        text = markdown_report(draw_title, command, results, wall_s, seeds)
+        (out / "matrix.md").write_text(text, encoding="utf-8")
+        write_json(
+            out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds)
+        )
+        if not args.no_plots:
+            plot_default_heatmap(results, out / "default_heatmap.png")
+            plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
+        per_draw[draw] = results
+    if len(draws) > 1:
+        text = draws_report(title, command, per_draw, seeds)
+        wall_s = time.perf_counter() - started
+        text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
+        (folder / "draws.md").write_text(text, encoding="utf-8")
+        write_json(folder / "draws.json", draws_json(command, per_draw, wall_s, seeds))
+    if len(seeds) > 1:
+        _write_seeds_reports(folder, title, command, per_seed)
+    print(text)
+    print(f"results: {folder}")
     return EXIT_OK
 
 

@@ -493,3 +493,92 @@ def test_stored_draws_under_different_policy_seeds_are_refused(
     assert code == 2
     assert "draw-3/matrix.json is not a stored matrix" in capsys.readouterr().err
     assert not out.exists()
+
+
+def _cells(path: Path) -> dict[tuple[str, float], dict[str, dict]]:
+    """A stored matrix.json's figures per cell and policy, without the run's wall time."""
+    cells = json.loads(path.read_text())["cells"]
+    return {
+        (c["family"], c["load"]): {n: dict(m, wall_s=0) for n, m in c["policies"].items()}
+        for c in cells
+    }
+
+
+def test_refresh_runs_the_default_again_and_keeps_every_other_stored_run(
+    tmp_path: Path,
+) -> None:
+    seeded = [*SMALL, "--family-seed", "1,3", "--seed", "0,1"]
+    stored = tmp_path / "stored"
+    code = matrix.main([*seeded, "--policy", "kv-picker", "--policy", "gie-default",
+                        "--policy", "random", "--out", str(stored)])  # fmt: skip
+    assert code == 0
+    # Unchanged, the refresh is the stored matrix again: every seed's figures, the pooled ones
+    # and the verdicts (the simulator is deterministic under a seed).
+    again = tmp_path / "again"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(stored),
+                        "--out", str(again)])  # fmt: skip
+    assert code == 0
+    for part in ("draw-1", "draw-3", "seed-0/draw-1", "seed-1/draw-3"):
+        assert _cells(again / part / "matrix.json") == _cells(stored / part / "matrix.json")
+    summary = json.loads((stored / "draws.json").read_text())["families"]
+    assert json.loads((again / "draws.json").read_text())["families"] == summary
+    # The stored default's figures edited, and a baseline's: the refresh runs the default
+    # again (its true figures come back) and keeps the baseline's stored run as it is.
+    edited = tmp_path / "edited"
+    shutil.copytree(stored, edited)
+    for part in ("draw-1", "seed-0/draw-1", "seed-1/draw-1"):
+        path = edited / part / "matrix.json"
+        document = json.loads(path.read_text())
+        for cell in document["cells"]:
+            cell["policies"]["kv-picker"]["ttft_s"]["mean"] = 99.0
+            cell["policies"]["gie-default"]["ttft_s"]["p90"] = 77.0
+        path.write_text(json.dumps(document))
+    out = tmp_path / "out"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(edited),
+                        "--out", str(out)])  # fmt: skip
+    assert code == 0
+    for part in ("draw-1", "seed-0/draw-1", "seed-1/draw-1"):
+        fresh, kept = _cells(out / part / "matrix.json"), _cells(stored / part / "matrix.json")
+        for cell, policies in fresh.items():
+            assert policies["kv-picker"] == kept[cell]["kv-picker"]
+            assert policies["random"] == kept[cell]["random"]
+            assert policies["gie-default"]["ttft_s"]["p90"] == 77.0
+    # The pooled draw is pooled again from the seeds' runs, the edited baseline's included.
+    pooled = _cells(out / "draw-1" / "matrix.json")
+    assert all(p["gie-default"]["ttft_s"]["p90"] == 77.0 for p in pooled.values())
+    assert (out / "seeds.md").is_file() and (out / "draws.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--policy", "gie-default"], "takes no --against, --policy, --seed or --sample"),
+        (["--seed", "1"], "takes no --against, --policy, --seed or --sample"),
+    ],
+)
+def test_refresh_takes_only_the_stored_matrixs_own_policies_and_seeds(
+    stored: Path, tmp_path: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(stored), *extra,
+                        "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code != 0
+    assert message in capsys.readouterr().err
+
+
+def test_refresh_refuses_to_write_over_the_stored_matrix_or_without_its_seeds_runs(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(stored),
+                        "--out", str(stored)])  # fmt: skip
+    assert code != 0
+    assert "give an --out other than the stored one" in capsys.readouterr().err
+    # A matrix that pools two seeds but has lost its seed-N/ folders cannot be refreshed.
+    copy = tmp_path / "copy"
+    shutil.copytree(stored, copy)
+    for draw in ("draw-1", "draw-3"):
+        path = copy / draw / "matrix.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "seeds": [0, 1]}))
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(copy),
+                        "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code != 0
+    assert "has not kept each seed's runs (seed-N/draw-M/)" in capsys.readouterr().err
