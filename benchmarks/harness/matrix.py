@@ -1332,47 +1332,91 @@ def _matrix(argv: Sequence[str]) -> int:
         )
         out = folder / draw_folder(draw, len(draws))
         out.mkdir(parents=True, exist_ok=True)
-        if not args.quiet:
-            print(
-                f"matrix{'' if len(draws) == 1 else f' draw {draw}'}: {len(plan.cells)} cells x "
-                f"{len(policies)} policies ({len(plan.jobs())} runs) -> {out}",
-                file=sys.stderr,
-            )
-        draw_started = time.perf_counter()
-        results, seed_runs = run_seeds(plan, seeds, args.jobs, args.quiet)
-        wall_s = time.perf_counter() - draw_started
+        results, seed_runs, wall_s = _timed_run(
+            plan, seeds, args,
+            f"matrix{'' if len(draws) == 1 else f' draw {draw}'}: {len(plan.cells)} cells x "
+            f"{len(policies)} policies ({len(plan.jobs())} runs) -> {out}",
+        )  # fmt: skip
+        text = _write_draw(
+            args, folder, command, title, draw, len(draws), results, seed_runs, wall_s
+        )
         if len(seeds) > 1:
             for seed, seed_results in seed_runs.items():
                 per_seed[seed][draw] = seed_results
-                seed_out = folder / f"seed-{seed}" / draw_folder(draw, len(draws))
-                seed_out.mkdir(parents=True, exist_ok=True)
-                write_json(
-                    seed_out / "matrix.json",
-                    results_json(command, seed_results, math.nan, draw, args.quick, [seed]),
-                )
-        draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
-        text = markdown_report(draw_title, command, results, wall_s, seeds)
-        (out / "matrix.md").write_text(text, encoding="utf-8")
-        write_json(
-            out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds)
-        )
-        if not args.no_plots:
-            plot_default_heatmap(results, out / "default_heatmap.png")
-            plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
         per_draw[draw] = results
-    if len(draws) == 1:
-        print(text)
-    else:
+    text = _write_summaries(folder, title, command, per_draw, per_seed, started) or text
+    print(text)
+    print(f"results: {folder}")
+    return EXIT_OK
+
+
+def _timed_run(
+    plan: MatrixPlan, seeds: Sequence[int], args: argparse.Namespace, progress: str
+) -> tuple[list[CellResult], dict[int, list[CellResult]], float]:
+    """:func:`run_seeds` with its wall time in seconds, after a progress line on stderr
+    (unless ``--quiet``)."""
+    if not args.quiet:
+        print(progress, file=sys.stderr)
+    started = time.perf_counter()
+    pooled, per_seed = run_seeds(plan, seeds, args.jobs, args.quiet)
+    return pooled, per_seed, time.perf_counter() - started
+
+
+def _write_draw(
+    args: argparse.Namespace,
+    folder: Path,
+    command: str,
+    title: str,
+    draw: int,
+    draws: int,
+    results: Sequence[CellResult],
+    seed_runs: Mapping[int, Sequence[CellResult]],
+    wall_s: float,
+) -> str:
+    """One draw of a matrix written out: each seed's figures (``seed-N/``, with several seeds),
+    the draw's report and figures (the seeds pooled) and its plots; returns the report."""
+    seeds = list(seed_runs)
+    if len(seeds) > 1:
+        for seed, seed_results in seed_runs.items():
+            seed_out = folder / f"seed-{seed}" / draw_folder(draw, draws)
+            seed_out.mkdir(parents=True, exist_ok=True)
+            write_json(
+                seed_out / "matrix.json",
+                results_json(command, seed_results, math.nan, draw, args.quick, [seed]),
+            )
+    out = folder / draw_folder(draw, draws)
+    out.mkdir(parents=True, exist_ok=True)
+    draw_title = title if draws == 1 else f"{title}, draw {draw}"
+    text = markdown_report(draw_title, command, results, wall_s, seeds)
+    (out / "matrix.md").write_text(text, encoding="utf-8")
+    write_json(out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds))
+    if not args.no_plots:
+        plot_default_heatmap(results, out / "default_heatmap.png")
+        plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
+    return text
+
+
+def _write_summaries(
+    folder: Path,
+    title: str,
+    command: str,
+    per_draw: Mapping[int, Sequence[CellResult]],
+    per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]],
+    started: float,
+) -> str:
+    """The summaries over several draws (``draws.md``, ``draws.json``) and several seeds
+    (``seeds.md``, ``seeds.json``); returns the draws' report ("" for one draw)."""
+    seeds = list(per_seed)
+    text = ""
+    if len(per_draw) > 1:
         text = draws_report(title, command, per_draw, seeds)
         wall_s = time.perf_counter() - started
         text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
         write_json(folder / "draws.json", draws_json(command, per_draw, wall_s, seeds))
-        print(text)
     if len(seeds) > 1:
         _write_seeds_reports(folder, title, command, per_seed)
-    print(f"results: {folder}")
-    return EXIT_OK
+    return text
 
 
 def draw_folder(draw: int, draws: int) -> str:
@@ -1481,6 +1525,34 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plan_on_stored(
+    args: argparse.Namespace,
+    option: str,
+    draw: int,
+    stored: Mapping[Cell, CellResult],
+    policies: Sequence[Policy],
+    grid: tuple[Sequence[str], Sequence[float], Sequence[str], Sequence[str]],
+    selected: set[Cell] | None = None,
+) -> MatrixPlan:
+    """The plan of ``policies`` on the cells of a stored draw that the options select (the
+    families, loads, clusters and timings of ``grid``; of ``selected`` only, given it).
+
+    Raises:
+        UsageError: none of them is stored.
+    """
+    from kv_picker_bench.harness import against
+
+    families, loads, clusters, timings = grid
+    plan = plan_matrix(
+        families, loads, clusters, timings, policies, args.quick,
+        cluster_overrides(args.responses), draw,
+    )  # fmt: skip
+    against.restrict_plan(plan, stored, selected)
+    if not plan.cells:
+        raise UsageError(f"{option}: draw {draw} has none of the cells asked for")
+    return plan
+
+
 def _refresh(
     args: argparse.Namespace,
     argv: Sequence[str],
@@ -1518,22 +1590,13 @@ def _refresh(
     per_seed: dict[int, dict[int, list[CellResult]]] = {seed: {} for seed in seeds}
     started = time.perf_counter()
     for draw, stored in stored_draws.items():
-        plan = plan_matrix(
-            families, loads, clusters, timings, [default], args.quick,
-            cluster_overrides(args.responses), draw,
+        grid = (families, loads, clusters, timings)
+        plan = _plan_on_stored(args, "--refresh", draw, stored, [default], grid)
+        _, fresh, wall_s = _timed_run(
+            plan, seeds, args,
+            f"refresh draw {draw}: {len(plan.cells)} cells, {DEFAULT_POLICY} under seeds "
+            f"{', '.join(map(str, seeds))}",
         )  # fmt: skip
-        against.restrict_plan(plan, stored)
-        if not plan.cells:
-            raise UsageError(f"--refresh: draw {draw} has none of the cells asked for")
-        if not args.quiet:
-            print(
-                f"refresh draw {draw}: {len(plan.cells)} cells, {DEFAULT_POLICY} under seeds "
-                f"{', '.join(map(str, seeds))}",
-                file=sys.stderr,
-            )
-        draw_started = time.perf_counter()
-        _, fresh = run_seeds(plan, seeds, args.jobs, args.quiet)
-        wall_s = time.perf_counter() - draw_started
         seed_results = {}
         for seed in seeds:
             own = (
@@ -1542,38 +1605,14 @@ def _refresh(
                 else against.load_stored(seed_paths[seed][draw], draw, args.quick)
             )
             seed_results[seed] = against.merge(own, fresh[seed])
-        out = folder / draw_folder(draw, len(draws))
-        out.mkdir(parents=True, exist_ok=True)
-        if len(seeds) > 1:
-            for seed, results in seed_results.items():
-                per_seed[seed][draw] = results
-                seed_out = folder / f"seed-{seed}" / draw_folder(draw, len(draws))
-                seed_out.mkdir(parents=True, exist_ok=True)
-                write_json(
-                    seed_out / "matrix.json",
-                    results_json(command, results, math.nan, draw, args.quick, [seed]),
-                )
-            results = pool_seeds(seed_results)
-        else:
-            results = seed_results[seeds[0]]
-        draw_title = title if len(draws) == 1 else f"{title}, draw {draw}"
-        text = markdown_report(draw_title, command, results, wall_s, seeds)
-        (out / "matrix.md").write_text(text, encoding="utf-8")
-        write_json(
-            out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds)
+            if len(seeds) > 1:
+                per_seed[seed][draw] = seed_results[seed]
+        results = pool_seeds(seed_results) if len(seeds) > 1 else seed_results[seeds[0]]
+        text = _write_draw(
+            args, folder, command, title, draw, len(draws), results, seed_results, wall_s
         )
-        if not args.no_plots:
-            plot_default_heatmap(results, out / "default_heatmap.png")
-            plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
         per_draw[draw] = results
-    if len(draws) > 1:
-        text = draws_report(title, command, per_draw, seeds)
-        wall_s = time.perf_counter() - started
-        text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
-        (folder / "draws.md").write_text(text, encoding="utf-8")
-        write_json(folder / "draws.json", draws_json(command, per_draw, wall_s, seeds))
-    if len(seeds) > 1:
-        _write_seeds_reports(folder, title, command, per_seed)
+    text = _write_summaries(folder, title, command, per_draw, per_seed, started) or text
     print(text)
     print(f"results: {folder}")
     return EXIT_OK
@@ -1648,13 +1687,8 @@ def _against(
     per_seed_draw: dict[int, dict[int, list[CellResult]]] = {seed: {} for seed in seeds}
     per_draw: dict[int, list[CellResult]] = {}
     for draw, stored in stored_draws.items():
-        plan = plan_matrix(
-            families, loads, clusters, timings, policies, args.quick,
-            cluster_overrides(args.responses), draw,
-        )  # fmt: skip
-        against.restrict_plan(plan, stored, selected)
-        if not plan.cells:
-            raise UsageError(f"--against: draw {draw} has none of the cells asked for")
+        grid = (families, loads, clusters, timings)
+        plan = _plan_on_stored(args, "--against", draw, stored, policies, grid, selected)
         if not args.quiet:
             print(
                 f"against draw {draw}: {len(plan.cells)} cells x {len(policies)} candidates "
