@@ -77,7 +77,7 @@ def stored_matrix_path(folder: Path, draw: int, draws: int) -> Path:
     if draws == 1 and flat is not None:
         return flat
     raise UsageError(
-        f"--against: no stored draw {draw} in {folder} "
+        f"no stored draw {draw} in {folder} "
         f"(expected {folder / f'draw-{draw}' / 'matrix.json'} or .json.gz)"
     )
 
@@ -107,20 +107,20 @@ def load_stored(path: Path, draw: int, quick: bool) -> dict[Cell, CellResult]:
                 item.get("decode_load", math.nan),
             )
     except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UsageError(f"--against: {path} is not a stored matrix: {exc!r}") from None
+        raise UsageError(f"{path} is not a stored matrix: {exc!r}") from None
     if seed != draw:
-        raise UsageError(f"--against: {path} is draw {seed}, not draw {draw}")
+        raise UsageError(f"{path} is draw {seed}, not draw {draw}")
     for name, family in FAMILIES.items():
         stored = families.get(name, {}).get("spec") if isinstance(families, dict) else None
         wanted = family_spec(family, quick, draw)
         if stored is not None and stored != wanted:
             raise UsageError(
-                f"--against: {path} replayed {name} as {stored!r}; this run would replay "
+                f"{path} replayed {name} as {stored!r}; this run would replay "
                 f"{wanted!r} (use the stored run's --family-seed and --quick)"
             )
     window = data.get("conversation_window_s")
     if window is not None and tuple(window) != conversation_window(draw):
-        raise UsageError(f"--against: {path} used another conversation window ({window})")
+        raise UsageError(f"{path} used another conversation window ({window})")
     return out
 
 
@@ -137,13 +137,11 @@ def stored_seeds(folder: Path, draws: Sequence[int]) -> list[int]:
         try:
             seeds = tuple(int(seed) for seed in read_json(path).get("seeds", [0]))
         except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
-            raise UsageError(f"--against: {path} is not a stored matrix: {exc!r}") from None
+            raise UsageError(f"{path} is not a stored matrix: {exc!r}") from None
         found.setdefault(seeds, draw)
     if len(found) > 1:
         described = "; ".join(f"draw {d}: {', '.join(map(str, s))}" for s, d in found.items())
-        raise UsageError(
-            f"--against: the stored draws ran under different policy seeds ({described})"
-        )
+        raise UsageError(f"the stored draws ran under different policy seeds ({described})")
     return list(next(iter(found)))
 
 

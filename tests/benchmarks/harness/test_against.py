@@ -582,3 +582,15 @@ def test_refresh_refuses_to_write_over_the_stored_matrix_or_without_its_seeds_ru
                         "--out", str(tmp_path / "out")])  # fmt: skip
     assert code != 0
     assert "has not kept each seed's runs (seed-N/draw-M/)" in capsys.readouterr().err
+    # A folder that holds no stored matrix, or a stored draw that is not one, is named.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(empty),
+                        "--out", str(tmp_path / "out2")])  # fmt: skip
+    assert code != 0
+    assert f"no stored draw 1 in {empty}" in capsys.readouterr().err
+    (copy / "draw-3" / "matrix.json").write_text("{not json")
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(copy),
+                        "--out", str(tmp_path / "out3")])  # fmt: skip
+    assert code != 0
+    assert "matrix.json is not a stored matrix" in capsys.readouterr().err
