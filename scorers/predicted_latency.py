@@ -130,8 +130,8 @@ the best-cached one is priced.
 On the routing matrix, ``saturatedMissCost`` 2 in excess, with ``saturatedAbove`` 0 or 1, had a
 lower TTFT mean than the default on every draw set it ran on, and failed the rules that judged
 it on one figure each time, until ``saturatedAbove`` 1 was confirmed on a third unseen set
-(``benchmarks/RESULTS.md`` section 1). The default does not set these options until what
-quotes the default is measured again with them.
+(``benchmarks/RESULTS.md`` section 1). The built-in default sets ``saturatedMissCost`` 2,
+``missExcess`` and ``saturatedAbove`` 1 since then.
 
 ``ownWaitingAtScrape`` (off) changes which of the picker's own requests ``other_s`` subtracts
 from the scraped ``waiting``: those whose prefill had not finished when that scrape was recorded

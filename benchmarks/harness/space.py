@@ -86,7 +86,8 @@ DEFAULT_SPACE = """\
 # long contexts, for prompts past decodeMinPromptTokens, counted in excess of the cheapest
 # candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess), its
 # saturatedMissCost prices a miss once every endpoint has a queue (in excess of the best-cached
-# candidate's with missExcess; off in the default); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
+# candidate's with missExcess, counting only the requests waiting behind the prefill in progress
+# with saturatedAbove 1; the default: 2, in excess, above 1); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
 # latency estimate see long cached documents whole, which keeps their questions with them, and
 # its cappedMatchIsWhole does so without hashing further, counting a match that reached the limit
 # as the whole prompt).
@@ -119,6 +120,7 @@ dimensions:
 - {plugin: predicted-latency-scorer, parameter: decodeExcess, choices: [true, false]}
 - {plugin: predicted-latency-scorer, parameter: saturatedMissCost, choices: [0, 1, 2, 4]}
 - {plugin: predicted-latency-scorer, parameter: missExcess, choices: [false, true]}
+- {plugin: predicted-latency-scorer, parameter: saturatedAbove, choices: [0, 1, 2]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
 - {plugin: active-request-scorer, parameter: cachedScale, choices: [0, 1, 2, 4, 8]}

@@ -204,15 +204,21 @@ def test_every_shipped_profile_builds(path: Path) -> None:
     assert profiles and plugins
 
 
-def test_the_seeding_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/seeding-weight/) are the present
-    # default's: the file must not drift from it. It is the default before it
-    # (decode-excess-64.yaml) with decodeSpeedScaled (test_the_one_option_candidates_...); that
-    # one is capped-whole.yaml with the decode term (test_the_decode_excess_candidates_are_...),
-    # and the default before that (cached-scale-2.yaml) is capped-whole.yaml without
-    # cappedMatchIsWhole.
-    assert _parsed(f"s={PROFILES / 'seeding-decode-scaled.yaml'}") == _parsed("kv-picker")
-    assert _parsed(f"d={PROFILES / 'decode-excess-64.yaml'}") != _parsed("kv-picker")
+def test_the_saturated_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/saturated-above/ and
+    # saturated-pending-yield/) are the present default's: the file must not drift from it. It is
+    # the default before it (seeding-decode-scaled.yaml) with saturatedAbove 1 on
+    # saturated-miss-excess-2.yaml's latency estimate (test_the_one_option_candidates_...); the
+    # default before that (decode-excess-64.yaml) is it without decodeSpeedScaled, and so on back
+    # to capped-whole.yaml, which is cached-scale-2.yaml with cappedMatchIsWhole.
+    assert _parsed(f"s={PROFILES / 'saturated-above-2.yaml'}") == _parsed("kv-picker")
+    assert _parsed(f"p={PROFILES / 'seeding-decode-scaled.yaml'}") != _parsed("kv-picker")
+    kind, before, after = _one_changed_plugin(
+        "kv-picker", f"p={PROFILES / 'seeding-decode-scaled.yaml'}"
+    )
+    saturated = {"saturatedMissCost": 2.0, "missExcess": True, "saturatedAbove": 1}
+    assert kind == "predicted-latency-scorer"
+    assert replace(before, **saturated) == after != before
     capped_profiles, capped_plugins = _parsed(f"w={PROFILES / 'capped-whole.yaml'}")
     before_profiles, before_plugins = _parsed(f"c={PROFILES / 'cached-scale-2.yaml'}")
     assert capped_profiles == before_profiles
@@ -480,17 +486,19 @@ def test_the_seeding_weight_candidates_change_only_that_weight(name: str, weight
 
 
 def test_the_combined_candidate_is_its_two_candidates_together() -> None:
-    # results/candidates/saturated-pending-yield/ judges it as the default with
-    # pending-yield-decode.yaml's prefix scorer and saturated-above-2.yaml's latency estimate,
-    # each of which differs from the default in that one plugin only.
+    # results/candidates/saturated-pending-yield/ judges it as the default of its time
+    # (seeding-decode-scaled.yaml) with pending-yield-decode.yaml's prefix scorer and
+    # saturated-above-2.yaml's latency estimate, each of which differs from it in that one plugin
+    # only.
+    base = f"b={PROFILES / 'seeding-decode-scaled.yaml'}"
     profiles, plugins = _parsed(f"c={PROFILES / 'saturated-pending-yield.yaml'}")
     yield_kind, _, yield_params = _one_changed_plugin(
-        f"y={PROFILES / 'pending-yield-decode.yaml'}", "kv-picker"
+        f"y={PROFILES / 'pending-yield-decode.yaml'}", base
     )
     saturated_kind, _, saturated_params = _one_changed_plugin(
-        f"s={PROFILES / 'saturated-above-2.yaml'}", "kv-picker"
+        f"s={PROFILES / 'saturated-above-2.yaml'}", base
     )
-    default_profiles, default_plugins = _parsed("kv-picker")
+    default_profiles, default_plugins = _parsed(base)
     assert (yield_kind, saturated_kind) == ("prefix-cache-scorer", "predicted-latency-scorer")
     assert profiles == default_profiles
     by_kind = {kind: params for (_, kind, params) in plugins}
