@@ -125,7 +125,7 @@ class RoutedRequest:
         self._answered = True
         if self._prefill is not None:
             self._director._settled_one(self._prefill[0])
-        self._end_prefill()
+        self._end_prefill(observed=True)
 
     def no_first_byte(self) -> None:
         """The gateway will not show this response's first byte (Envoy sends no response body
@@ -138,10 +138,10 @@ class RoutedRequest:
         self._blind = True
         self._director._await_first_token(self, self._prefill[0])
 
-    def _end_prefill(self) -> None:
+    def _end_prefill(self, observed: bool = False) -> None:
         prefill, self._prefill = self._prefill, None
         if prefill is not None:
-            self._director._end_prefill(*prefill)
+            self._director._end_prefill(*prefill, observed=observed)
 
     def finish(self, output_tokens: int | None = None) -> None:
         """The response ended, or the stream closed: release the in-flight slot (once).
@@ -458,14 +458,22 @@ class Director:
             if seconds is not None:
                 store.request_done(endpoint.id, seconds)
 
-    def _end_prefill(self, endpoint: Endpoint, tokens: float, pairs: float, separate: bool) -> None:
+    def _end_prefill(
+        self,
+        endpoint: Endpoint,
+        tokens: float,
+        pairs: float,
+        separate: bool,
+        observed: bool = False,
+    ) -> None:
         """The prompt at ``endpoint`` has been processed; at a ``separate`` prefill endpoint
-        the request's in-flight slot there is released too."""
+        the request's in-flight slot there is released too. ``observed``: the first response
+        byte says so now (the store may keep the prefill's time)."""
         if self.peers is not None:
             self.peers.prefilled(endpoint, tokens, pairs, separate)
         store = self.store
         if store.get(endpoint.id) is endpoint:
-            store.prefill_done(endpoint.id, tokens, pairs)
+            store.prefill_done(endpoint.id, tokens, pairs, observed)
             if separate and store.in_flight[endpoint.id] > 0:
                 store.in_flight[endpoint.id] -= 1
 

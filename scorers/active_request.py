@@ -73,7 +73,8 @@ with ``perHardware``); ``charsPerToken`` (4.0: the prompt's length when no token
 ``cappedMatchIsWhole`` (false; needs ``cachedScale``); ``freeLoad`` (0: off), in the unit's
 terms; ``latencyBand`` (0: off; reads ``predicted-latency-scorer``'s estimate);
 ``latencyBandLoad`` (0: off; at most 1; needs ``latencyBand``); ``latencyBandSlack`` (0, in
-seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``); ``heldIsFree`` (false; needs
+seconds; needs ``latencyBand``); ``latencyBandMinTokens`` (0: off; needs ``latencyBand``);
+``latencyBandPromptTokens`` (0: off; needs ``latencyBand``); ``heldIsFree`` (false; needs
 ``unit: tokens``); ``heldPendingOnly`` (false; needs ``heldIsFree``);
 ``heldMinTokens`` (0; needs ``heldIsFree``);
 ``lightCachedScale`` (0: off; needs ``cachedScale`` and ``lightLoad``); ``lightLoad`` (0; at most 1);
@@ -129,6 +130,13 @@ some candidate already holds at least this many prompt tokens (the prefix scorer
 must run first): the requests a move would make compute a long context again, where the
 latency estimate's verdict is seconds of prefill, while shorter contexts keep spreading as
 without the band. Not set in the built-in default.
+
+``latencyBandPromptTokens`` (0: every request) applies ``latencyBand`` only to a request whose
+prompt has at least this many tokens, held anywhere or not. Besides the moves
+``latencyBandMinTokens`` bars, it keeps a new long document (cached nowhere) off an endpoint
+whose queued prefill the estimate puts past the band, where the in-flight count, which sees
+the KV in flight but not the queue, may prefer it: at light load on four endpoints a document
+placed behind another document's prefill waited for both. Not set in the built-in default.
 
 ``heldIsFree`` (``unit: tokens`` only) counts each candidate's tokens in flight less the prompt
 tokens it already holds for the request being placed (the prefix scorer's match, which must run
@@ -206,6 +214,7 @@ class ActiveRequestParams:
     latencyBandLoad: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
     latencyBandSlack: Annotated[float, NonNegative] = 0.0
     latencyBandMinTokens: Annotated[float, NonNegative] = 0.0
+    latencyBandPromptTokens: Annotated[float, NonNegative] = 0.0
     heldIsFree: bool = False
     heldPendingOnly: bool = False
     heldMinTokens: Annotated[float, NonNegative] = 0.0
@@ -272,6 +281,11 @@ class ActiveRequestScorer:
             raise ValueError(
                 "latencyBandMinTokens needs latencyBand (it says which requests the band is for)"
             )
+        self._band_prompt = params.latencyBandPromptTokens
+        if params.latencyBandPromptTokens and not params.latencyBand:
+            raise ValueError(
+                "latencyBandPromptTokens needs latencyBand (it says which requests the band is for)"
+            )
         self._window_s = params.loadWindowSeconds
         self._store = store
         self._seqs = params.maxNumSeqs
@@ -284,6 +298,10 @@ class ActiveRequestScorer:
             self._band
             and (not self._band_load or self._band_applies(candidates))
             and (not self._band_tokens or self._held(request, candidates) >= self._band_tokens)
+            and (
+                not self._band_prompt
+                or prompt_tokens(request, self._chars_per_token) >= self._band_prompt
+            )
         ):
             self._outside_band(request, candidates, out)
 

@@ -165,6 +165,36 @@ term, requests whose prompts are cached look free while they wait for a slot (th
 short): in the routing matrix the default piled chat sessions onto the endpoint holding their
 system prompt until the in-flight spreading stepped in.
 
+``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
+prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed
+from when it reached the head of its endpoint's queue (the store's ``prefill_samples``, the last
+64), and the prefill seconds of the estimate (``own_s``, the queued work, and the miss costs'
+``own_work_s``) are multiplied by the samples' measured seconds over what the estimate gives
+their work, ``sum(measured) / sum(work(n, k) / c.prefill_speed)``, once at least 4 are kept,
+within [0.25, 8]. The steps, the decode term and the other terms keep their constants. The
+defaults describe an 8B model on an H100; a pool serving a model that prefills slower (Llama
+3.1 70B on four H100s at tensor parallel 4: about 2.4 times the 8B figure in the routing
+matrix, where the engines' whole prefill time is measured, steps included) is then ranked by
+its own speed, and a move that would compute a long context again weighs what it costs there
+against a busy holder's decode. Prefills the picker learns of otherwise (a scrape's first-token
+count, the request's end) give no sample; with ``serve --workers`` each worker learns from its
+own requests.
+
+``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
+wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
+request sent to ``e`` while it runs waits for it. With ``rate(e)`` the requests this picker
+sent ``e`` per second lately (picks counted at the destination and at a separate prefill
+endpoint, each decayed by ``exp(-age / blockingWindowSeconds)``, over that window), the
+ranking adds, in excess of the least among the candidates,
+
+```
+blocking(e)   = blockingCost * rate(e) * own_work_s(e)^2 / 2
+```
+
+A new document then goes where fewer requests will queue behind its prefill, not onto the
+endpoint whose hot context draws most of them; a question about a context one endpoint holds
+adds nothing there. The count is this worker's own picks.
+
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
 profile (list it before this scorer; without one nothing counts as cached); ``waiting`` is
@@ -185,7 +215,8 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
-``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off).
+``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
+``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10).
 """
 
 from __future__ import annotations
@@ -197,10 +228,14 @@ from typing import Annotated, ClassVar, Literal
 
 from kv_picker.decode import NonNegative, Positive, Range
 from kv_picker.scheduling.context import BuildContext
-from kv_picker.scheduling.framework import Endpoint, LLMRequest
+from kv_picker.scheduling.framework import Endpoint, LLMRequest, SchedulingResult
 from kv_picker.scheduling.signals import PREDICTED_COST, cached_tokens, prompt_tokens
 
 _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at all
+CALIBRATION_MIN_SAMPLES = 4
+"""prefillCalibration: observed prefills needed before the factor moves from 1."""
+SCALE_MIN, SCALE_MAX = 0.25, 8.0
+"""prefillCalibration: the factor stays within these, whatever a few odd samples say."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +261,9 @@ class PredictedLatencyParams:
     saturatedQueue: Literal["fewest", "mean"] = "fewest"
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
+    prefillCalibration: bool = False
+    blockingCost: Annotated[float, NonNegative] = 0.0
+    blockingWindowSeconds: Annotated[float, Positive] = 10.0
 
 
 class PredictedLatencyScorer:
@@ -243,6 +281,11 @@ class PredictedLatencyScorer:
         self._pair_s = 1.0 / (rate * crossover) if crossover > 0 else 0.0
         read = params.kvReadTokensPerSecond
         self._read_s = 1.0 / read if read > 0 else 0.0
+        self._clock = ctx.clock
+        self._scale = 1.0  # prefillCalibration's factor on prefill seconds
+        self._scale_count = -1  # the store's sample count it was computed at
+        # endpoint id -> (the endpoint, its decayed count of picks, when last counted)
+        self._arrivals: dict[int, tuple[Endpoint, float, float]] = {}
 
     def predict_ttft_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         params, store = self.params, self._store
@@ -271,7 +314,7 @@ class PredictedLatencyScorer:
                     # speed: at most its share of the queue (the mean request's) is done.
                     done_s = progress * (store.now() - head_s) * hardware.prefill_speed
                     queued_s -= min(done_s, queued_s / max(1, store.prefill_requests[i]))
-            own_s = (work_s + queued_s) / hardware.prefill_speed
+            own_s = (work_s + queued_s) * self.prefill_scale() / hardware.prefill_speed
             steps = max(1, math.ceil((store.prefill_tokens[i] + uncached) / params.chunkTokens))
         own = (
             store.scraped_prefill_requests[i]
@@ -320,7 +363,29 @@ class PredictedLatencyScorer:
         if remote and uncached >= remote:
             return 0.0
         work_s = uncached * self._token_s + uncached * (cached + uncached / 2) * self._pair_s
-        return work_s / self._hardware.of(endpoint.labels).prefill_speed
+        return work_s * self.prefill_scale() / self._hardware.of(endpoint.labels).prefill_speed
+
+    def prefill_scale(self) -> float:
+        """prefillCalibration's factor on prefill seconds: the observed prefills' measured
+        seconds over the seconds this estimate gives their work (1 when off, or until
+        ``CALIBRATION_MIN_SAMPLES`` have been observed)."""
+        if not self.params.prefillCalibration:
+            return 1.0
+        store = self._store
+        if store.prefill_sample_count != self._scale_count:
+            self._scale_count = store.prefill_sample_count
+            samples = store.prefill_samples
+            if len(samples) >= CALIBRATION_MIN_SAMPLES:
+                measured = estimated = 0.0
+                of = self._hardware.of
+                for sample in samples:
+                    measured += sample.seconds
+                    estimated += (sample.tokens * self._token_s + sample.pairs * self._pair_s) / (
+                        of(sample.endpoint.labels).prefill_speed
+                    )
+                if estimated > 0.0:
+                    self._scale = min(max(measured / estimated, SCALE_MIN), SCALE_MAX)
+        return self._scale
 
     def _add_miss_costs(
         self, request: LLMRequest, candidates: Sequence[Endpoint], predictions: list[float]
@@ -351,6 +416,49 @@ class PredictedLatencyScorer:
         for i, cost in enumerate(costs):
             predictions[i] += cost - least
 
+    def arrival_rate(self, endpoint: Endpoint, now: float | None = None) -> float:
+        """Requests per second this picker sent ``endpoint`` lately (``blockingCost``'s
+        ``rate(e)``; 0 when off)."""
+        entry = self._arrivals.get(endpoint.id)
+        # An id freed by a removed endpoint and given to a new one starts from nothing.
+        if entry is None or entry[0] is not endpoint:
+            return 0.0
+        if now is None:
+            now = self._clock()
+        window = self.params.blockingWindowSeconds
+        return entry[1] * math.exp(-max(0.0, now - entry[2]) / window) / window
+
+    def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
+        if not self.params.blockingCost:
+            return
+        now = self._clock()
+        window = self.params.blockingWindowSeconds
+        picked = [result.destination]
+        if result.prefill_endpoint is not None and result.prefill_endpoint is not picked[0]:
+            picked.append(result.prefill_endpoint)
+        for endpoint in picked:
+            entry = self._arrivals.get(endpoint.id)
+            count = 0.0
+            if entry is not None and entry[0] is endpoint:
+                count = entry[1] * math.exp(-max(0.0, now - entry[2]) / window)
+            self._arrivals[endpoint.id] = (endpoint, count + 1.0, now)
+
+    def _add_blocking_costs(
+        self, request: LLMRequest, candidates: Sequence[Endpoint], predictions: list[float]
+    ) -> None:
+        """blockingCost: the waiting a candidate's prefill of this prompt imposes on the
+        requests that will arrive there meanwhile, in excess of the least."""
+        now = self._clock()
+        half = self.params.blockingCost / 2.0
+        costs = []
+        for endpoint in candidates:
+            rate = self.arrival_rate(endpoint, now)
+            work_s = self.own_work_s(request, endpoint) if rate else 0.0
+            costs.append(half * rate * work_s * work_s)
+        least = min(costs)
+        for i, cost in enumerate(costs):
+            predictions[i] += cost - least
+
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
         params = self.params
@@ -366,6 +474,8 @@ class PredictedLatencyScorer:
                 predictions[i] += decode_s - least
         if params.missCost or params.saturatedMissCost:
             self._add_miss_costs(request, candidates, predictions)
+        if params.blockingCost:
+            self._add_blocking_costs(request, candidates, predictions)
         best = min(predictions)
         for i, predicted in enumerate(predictions):
             out[i] = best / predicted

@@ -35,16 +35,41 @@ first_tokens: 812.0  40.0       -1.0       requests the endpoint has given a fir
 scraped_s: 1234.5     1234.5     0.0        monotonic time of the last good scrape
 ready:     True       True       False      last scrape succeeded
 ```
+
+Besides the arrays, ``prefill_samples`` keeps the last ``PREFILL_SAMPLES`` prefills this picker
+saw end with a first response byte, of at least ``PREFILL_SAMPLE_MIN_TOKENS`` uncached tokens
+each: the endpoint, the tokens, their attention work, and the seconds from the request's
+reaching the head of the queue (``prefill_head_s``) to that byte. ``prefill_sample_count``
+counts every sample ever kept, so a reader can tell when they changed.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kv_picker.endpoint import Endpoint, EndpointId, EndpointSpec, split_address
+
+PREFILL_SAMPLES = 64
+"""How many observed prefills :attr:`EndpointStore.prefill_samples` keeps."""
+
+PREFILL_SAMPLE_MIN_TOKENS = 4096
+"""The fewest uncached tokens an observed prefill has to be kept as a sample: below it the
+engine's step overhead and scheduling make most of the time, not the prompt's compute."""
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillSample:
+    """One prefill this picker saw end: where, its work, and how long it took at the head of
+    the queue."""
+
+    endpoint: Endpoint
+    tokens: float
+    pairs: float
+    seconds: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +146,8 @@ class EndpointStore:
         self.block_size_tokens: list[int] = []
         self.num_gpu_blocks: list[int] = []
         self.lora: list[LoraState | None] = []
+        self.prefill_samples: deque[PrefillSample] = deque(maxlen=PREFILL_SAMPLES)
+        self.prefill_sample_count = 0
         self._free_ids: list[EndpointId] = []
         self._on_removed: list[Callable[[EndpointId], None]] = []
         self._on_change: list[MembershipCallback] = []
@@ -355,8 +382,22 @@ class EndpointStore:
         age = max(0.0, now - self.recent_s[endpoint_id])
         return math.exp(-age / RECENT_WORK_TIME_CONSTANT_S)
 
-    def prefill_done(self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0) -> None:
-        """That request's prefill finished (first response byte, or the request ended)."""
+    def prefill_done(
+        self, endpoint_id: EndpointId, tokens: float, pairs: float = 0.0, observed: bool = False
+    ) -> None:
+        """That request's prefill finished (first response byte, or the request ended).
+
+        ``observed``: the picker saw its first byte now, so the time since it reached the head
+        of the queue is its prefill's (kept in :attr:`prefill_samples` when it computed at
+        least ``PREFILL_SAMPLE_MIN_TOKENS`` tokens). The engine serves its queue in order, so the
+        request that ends is the one at the head."""
+        head_s = self.prefill_head_s[endpoint_id]
+        if observed and head_s >= 0.0 and tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+            endpoint = self.endpoints[endpoint_id]
+            if endpoint is not None:
+                seconds = max(0.0, self._clock() - head_s)
+                self.prefill_samples.append(PrefillSample(endpoint, tokens, pairs, seconds))
+                self.prefill_sample_count += 1
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)
         self.prefill_pairs[endpoint_id] = max(0.0, self.prefill_pairs[endpoint_id] - pairs)

@@ -212,3 +212,22 @@ def test_a_share_just_under_whole_does_not_fall_behind() -> None:
         _scrape(director, count)
         assert _prefilling(oldest, newest) == [False, True]
         oldest = newest
+
+
+def test_only_a_first_byte_seen_gives_the_store_a_prefill_time() -> None:
+    # The latency estimate's calibration reads prefill times from first bytes the picker saw,
+    # never from prefill ends it inferred from a scrape or from the request's end.
+    director = _director()
+    store, clock = director.store, director.store._clock
+    document = "x" * 4 * 6000  # 6,000 tokens, cached nowhere
+    seen = director.route(make_request(document, request_id="seen"))
+    clock.advance(1.25)  # type: ignore[attr-defined]
+    seen.first_byte()
+    assert [(s.tokens, s.seconds) for s in store.prefill_samples] == [(6000.0, 1.25)]
+    blind = director.route(make_request(document + "y" * 4 * 6000, request_id="blind"))
+    blind.no_first_byte()
+    _scrape(director, 102.0)  # seen's first token and blind's: its prefill ends by the count
+    assert not blind.prefilling
+    ended = director.route(make_request("z" * 4 * 6000, request_id="ended"))
+    ended.finish()
+    assert store.prefill_sample_count == 1

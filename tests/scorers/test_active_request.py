@@ -488,14 +488,18 @@ def test_latency_band_load_leaves_decode_pools_and_mixed_hardware_alone() -> Non
     )
 
 
-@pytest.mark.parametrize("field", ["latencyBandLoad", "latencyBandSlack", "latencyBandMinTokens"])
+@pytest.mark.parametrize(
+    "field",
+    ["latencyBandLoad", "latencyBandSlack", "latencyBandMinTokens", "latencyBandPromptTokens"],
+)
 def test_the_band_options_need_the_band(field: str) -> None:
     _refused({field: 0.1}, f"{field} needs latencyBand")
 
 
 def test_the_band_options_take_values_in_range() -> None:
     bad = [("latencyBandLoad", 1.5), ("latencyBandLoad", -0.1), ("latencyBandSlack", -0.1),
-           ("latencyBandMinTokens", -1), ("heldMinTokens", -1)]  # fmt: skip
+           ("latencyBandMinTokens", -1), ("latencyBandPromptTokens", -1),
+           ("heldMinTokens", -1)]  # fmt: skip
     for field, value in [*bad, ("maxNumSeqs", -1), ("loadWindowSeconds", 0)]:
         with pytest.raises(ConfigError, match=field):
             decode(ActiveRequestParams, {field: value}, "parameters")
@@ -548,6 +552,28 @@ def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -
     assert scores({0: 1023, 2: 10}) == pytest.approx(unbanded)  # 16,368 tokens: short of it
     assert scores({0: 1024}) == pytest.approx([0.0, 0.0, 0.0])  # 16,384: the band applies
     assert scores({2: 1500}) == pytest.approx([0.0, 0.0, 0.0])  # whichever candidate holds it
+
+
+def test_latency_band_prompt_tokens_applies_the_band_to_long_prompts_held_or_not() -> None:
+    store = make_store(3)
+    # Endpoint 1 has the fewest tokens in flight but a long prefill queued: the latency
+    # estimate puts it three times slower to the first token than the others.
+    store.in_flight_tokens[:3] = [30000, 0, 10000]
+    fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandPromptTokens": 16384}
+    scorer = ActiveRequestScorer(
+        "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
+    )
+
+    def scores(tokens: int) -> list[float]:
+        request = make_request("x" * 4 * tokens)  # cached nowhere: a new document
+        request.state[PREDICTED_COST] = (store.all(), [0.1, 0.3, 0.1])
+        out = [0.0] * 3
+        scorer.score(request, store.all(), out)
+        return out
+
+    assert scores(16383) == pytest.approx([0.0, 1.0, 2 / 3])  # short of it: no band
+    # From 16,384 tokens on the band applies, though no candidate holds any of the prompt.
+    assert scores(16384) == pytest.approx([0.0, 0.0, 2 / 3])
 
 
 def test_held_is_free_counts_in_flight_tokens_less_what_the_candidate_holds() -> None:

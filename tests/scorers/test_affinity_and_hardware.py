@@ -1,10 +1,12 @@
 import dataclasses
+import math
 
 import pytest
 
 from kv_picker.decode import decode
 from kv_picker.endpoint import EndpointId, EndpointSpec
 from kv_picker.errors import ConfigError
+from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
 from kv_picker.scorers.load_aware import LoadAwareParams, LoadAwareScorer
@@ -16,7 +18,7 @@ from kv_picker.scorers.session_affinity import (
     decode_session_token,
     encode_session_token,
 )
-from kv_picker.state.endpoints import LoraState
+from kv_picker.state.endpoints import PREFILL_SAMPLES, LoraState
 from kv_picker.state.hardware import (
     BUILTIN_HARDWARE_CLASSES,
     HARDWARE_CLASS_LABEL,
@@ -296,6 +298,9 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("queueProgress", -0.5),
         ("queueProgress", 1.5),
         ("queueProgress", "half"),
+        ("prefillCalibration", "yes please"),
+        ("blockingCost", -1),
+        ("blockingWindowSeconds", 0),
     ],
 )
 def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
@@ -563,3 +568,92 @@ def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_
         short = PredictedLatencyScorer("p", above, make_context(store))
         assert short.predict_ttft_s(request, holder) == pytest.approx(0.2)
         assert scores(short, store, request) == pytest.approx([1.0, 0.2 / 1.01])
+
+
+def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_prefills() -> None:
+    # With prefillCalibration the prefill seconds (own and queued, and the miss costs' work)
+    # are multiplied by the observed prefills' measured seconds over what the estimate gives
+    # their work; the steps and other terms are not. A 70B model at tensor parallel 4 prefills
+    # about three times slower than the 8B constants say, and a move that computes a long
+    # context again costs that much more against a busy holder's decode.
+    clock = ManualClock()
+    store = make_store(2, labels=[{HARDWARE_CLASS_LABEL: c} for c in ("H100", "L4")], clock=clock)
+    h100, l4 = store.all()
+    params = linear_latency(stepSeconds=0.01)
+    plain = PredictedLatencyScorer("p", params, make_context(store))
+    learned = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, prefillCalibration=True), make_context(store)
+    )
+    request = make_request("x" * 4 * 1000)  # 1,000 tokens: 1 s of prefill, one step
+    assert plain.predict_ttft_s(request, h100) == pytest.approx(1.01)
+
+    def observe(endpoint, tokens: float, seconds: float) -> None:  # type: ignore[no-untyped-def]
+        store.add_prefill(endpoint.id, tokens)
+        clock.advance(seconds)
+        store.prefill_done(endpoint.id, tokens, observed=True)
+
+    for _ in range(3):
+        observe(h100, 5000.0, 15.0)  # three times the 5 s the constants give
+    assert learned.prefill_scale() == 1.0  # too few samples yet
+    assert learned.predict_ttft_s(request, h100) == pytest.approx(1.01)
+    # The L4's own samples count at its class's speed: this one is as slow as the H100's.
+    l4_speed = BUILTIN_HARDWARE_CLASSES["L4"].prefill_speed
+    observe(l4, 5000.0, 15.0 / l4_speed)
+    assert learned.prefill_scale() == pytest.approx(3.0)
+    assert learned.predict_ttft_s(request, h100) == pytest.approx(3.01)
+    assert learned.own_work_s(request, h100) == pytest.approx(3.0)
+    store.add_prefill(l4.id, 2000.0)  # queued work is scaled too, the step is not
+    step_s = 0.01 / BUILTIN_HARDWARE_CLASSES["L4"].decode_speed
+    assert learned.predict_ttft_s(request, l4) == pytest.approx(3.0 * 3.0 / l4_speed + step_s)
+    assert plain.predict_ttft_s(request, h100) == pytest.approx(1.01)  # off: unchanged
+    # The factor follows the samples kept, within [0.25, 8] whatever they say.
+    for _ in range(PREFILL_SAMPLES):
+        observe(h100, 5000.0, 500.0)
+    assert learned.prefill_scale() == 8.0
+    for _ in range(PREFILL_SAMPLES):
+        observe(h100, 5000.0, 0.01)
+    assert learned.prefill_scale() == 0.25
+
+
+def test_predicted_latency_blocking_cost_prices_the_wait_of_requests_arriving_meanwhile() -> None:
+    # blockingCost b adds b x (the requests this picker sent the candidate per second lately,
+    # a count decayed over blockingWindowSeconds) x (its prefill seconds of this request)^2 / 2,
+    # in excess of the least: what the requests arriving while the prefill runs wait for it.
+    clock = ManualClock()
+    store = make_store(3, clock=clock)
+    busy, quiet, idle = store.all()
+    params = linear_latency(blockingCost=1.0)
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    plain = PredictedLatencyScorer("p", linear_latency(), make_context(store))
+    document = make_request("x" * 4 * 2000)  # 2,000 tokens cached nowhere: 2 s anywhere
+
+    def sent(endpoint, count: int) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(count):
+            result = ProfileResult([endpoint], [endpoint], [1.0])
+            scorer.on_pick(make_request(), SchedulingResult("default", {"default": result}))
+
+    sent(busy, 10)
+    sent(quiet, 1)
+    assert scorer.arrival_rate(busy) == pytest.approx(1.0)  # 10 picks over a 10 s window
+    assert scorer.arrival_rate(quiet) == pytest.approx(0.1)
+    assert scorer.arrival_rate(idle) == 0.0
+    # The idle endpoint adds nothing, the busy one 1.0 x 2^2 / 2 = 2 s, the quiet one 0.2 s.
+    assert scores(scorer, store, document) == pytest.approx([2.0 / 4.0, 2.0 / 2.2, 1.0])
+    assert scores(plain, store, document) == [1.0, 1.0, 1.0]
+    # A question whose document the busy endpoint holds costs it nothing to compute there,
+    # so it stays: the others would add their own prefill's cost.
+    question = make_request("x" * 4 * 2000)
+    question.state[PREFIX_MATCH] = PrefixMatch(16, 500, {busy.id: 500})
+    out = scores(scorer, store, question)
+    assert out[0] == 1.0 and out[1] < out[2] < 0.01
+    # The count decays: after one window, e^-1 of it.
+    clock.advance(10.0)
+    assert scorer.arrival_rate(busy) == pytest.approx(math.exp(-1.0))
+    # An id freed by a removed endpoint and given to a new one starts from nothing.
+    store.set_endpoints([EndpointSpec("10.0.0.2:8000"), EndpointSpec("10.0.0.3:8000")])
+    store.set_endpoints(
+        [EndpointSpec(a) for a in ("10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.9:8000")]
+    )
+    newcomer = store.get(busy.id)
+    assert newcomer is not None and newcomer is not busy
+    assert scorer.arrival_rate(newcomer) == 0.0

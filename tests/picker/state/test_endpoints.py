@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kv_picker.endpoint import Endpoint, EndpointId, EndpointSpec
-from kv_picker.state.endpoints import EndpointStore
+from kv_picker.state.endpoints import PREFILL_SAMPLES, EndpointStore
 from tests.fakes import ManualClock
 
 
@@ -52,3 +52,42 @@ def test_a_new_instance_at_an_address_replaces_the_endpoint() -> None:
     # Nothing of the old server carries over: not ready until scraped, no requests counted.
     assert store.in_flight[new.id] == 0 and not store.ready[new.id]
     assert store.ready_endpoints() == []
+
+
+def test_an_observed_prefill_is_kept_with_its_time_at_the_head_of_the_queue() -> None:
+    clock = ManualClock()
+    store = EndpointStore(clock)
+    store.set_endpoints([EndpointSpec("10.0.0.1:8000"), EndpointSpec("10.0.0.2:8000")])
+    first, second = store.all()
+    store.add_prefill(first.id, 8000.0, 1e7)  # at the head from now
+    clock.advance(0.5)
+    store.add_prefill(first.id, 6000.0, 5e6)  # queued behind it
+    clock.advance(1.5)
+    store.prefill_done(first.id, 8000.0, 1e7, observed=True)
+    assert [(s.endpoint, s.tokens, s.pairs, s.seconds) for s in store.prefill_samples] == [
+        (first, 8000.0, 1e7, 2.0)
+    ]
+    clock.advance(3.0)  # the second reached the head when the first ended, 3 s ago
+    store.prefill_done(first.id, 6000.0, 5e6, observed=True)
+    assert [s.seconds for s in store.prefill_samples] == [2.0, 3.0]
+    assert store.prefill_sample_count == 2
+    # Not kept: an end the picker did not see (the request ended, or a scrape said so), a
+    # prompt too short for its compute to be most of the time, or a queue whose head this
+    # store never saw start (another worker's requests, set directly).
+    store.add_prefill(second.id, 8000.0)
+    clock.advance(1.0)
+    store.prefill_done(second.id, 8000.0)
+    store.add_prefill(second.id, 4095.0)
+    clock.advance(1.0)
+    store.prefill_done(second.id, 4095.0, observed=True)
+    store.prefill_tokens[second.id], store.prefill_requests[second.id] = 8000.0, 1
+    store.prefill_done(second.id, 8000.0, observed=True)
+    assert store.prefill_sample_count == 2 and len(store.prefill_samples) == 2
+    # The last PREFILL_SAMPLES are kept; the count goes on.
+    for _ in range(PREFILL_SAMPLES):
+        store.add_prefill(second.id, 5000.0)
+        clock.advance(0.25)
+        store.prefill_done(second.id, 5000.0, observed=True)
+    assert len(store.prefill_samples) == PREFILL_SAMPLES
+    assert store.prefill_sample_count == PREFILL_SAMPLES + 2
+    assert all(s.endpoint is second for s in store.prefill_samples)
