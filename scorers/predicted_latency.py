@@ -178,7 +178,7 @@ matrix, where the engines' whole prefill time is measured, steps included) is th
 its own speed, and a move that would compute a long context again weighs what it costs there
 against a busy holder's decode. Prefills the picker learns of otherwise (a scrape's first-token
 count, the request's end) give no sample; with ``serve --workers`` each worker learns from its
-own requests.
+own requests. The factor is reported on /metrics as ``kv_picker_prefill_calibration_ratio``.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
@@ -222,13 +222,13 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
 from kv_picker.decode import NonNegative, Positive, Range
 from kv_picker.scheduling.context import BuildContext
-from kv_picker.scheduling.framework import Endpoint, LLMRequest, SchedulingResult
+from kv_picker.scheduling.framework import Endpoint, LLMRequest, PluginGauge, SchedulingResult
 from kv_picker.scheduling.signals import PREDICTED_COST, cached_tokens, prompt_tokens
 
 _FLOOR_S = 1e-6  # keeps the ratio finite when a candidate predicts no work at all
@@ -415,6 +415,15 @@ class PredictedLatencyScorer:
         least = min(costs) if params.missExcess else 0.0
         for i, cost in enumerate(costs):
             predictions[i] += cost - least
+
+    def collect_metrics(self) -> Iterable[PluginGauge]:
+        if self.params.prefillCalibration:
+            yield PluginGauge(
+                "kv_picker_prefill_calibration_ratio",
+                "prefillCalibration's factor on the latency estimate's prefill seconds: observed "
+                "prefill seconds over estimated (1 until enough prefills were seen).",
+                self.prefill_scale(),
+            )
 
     def arrival_rate(self, endpoint: Endpoint, now: float | None = None) -> float:
         """Requests per second this picker sent ``endpoint`` lately (``blockingCost``'s

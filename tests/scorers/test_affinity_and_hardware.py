@@ -606,6 +606,11 @@ def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_pr
     step_s = 0.01 / BUILTIN_HARDWARE_CLASSES["L4"].decode_speed
     assert learned.predict_ttft_s(request, l4) == pytest.approx(3.0 * 3.0 / l4_speed + step_s)
     assert plain.predict_ttft_s(request, h100) == pytest.approx(1.01)  # off: unchanged
+    # The factor is on /metrics while the option is on.
+    assert [(g.name, g.value) for g in learned.collect_metrics()] == [
+        ("kv_picker_prefill_calibration_ratio", pytest.approx(3.0))
+    ]
+    assert list(plain.collect_metrics()) == []
     # The factor follows the samples kept, within [0.25, 8] whatever they say.
     for _ in range(PREFILL_SAMPLES):
         observe(h100, 5000.0, 500.0)
