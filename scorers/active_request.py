@@ -136,7 +136,11 @@ prompt has at least this many tokens, held anywhere or not. Besides the moves
 ``latencyBandMinTokens`` bars, it keeps a new long document (cached nowhere) off an endpoint
 whose queued prefill the estimate puts past the band, where the in-flight count, which sees
 the KV in flight but not the queue, may prefer it: at light load on four endpoints a document
-placed behind another document's prefill waited for both. Not set in the built-in default.
+placed behind another document's prefill waited for both. Judged with
+``predicted-latency-scorer``'s ``prefillCalibration`` (``benchmarks/RESULTS.md`` section 1): at
+32,768 tokens, 253 pooled cells against the default's 249 on draws 1-3 and 206 against 202 on
+draws 52-54, not confirmed for a worse worst TTFT p90 cell (long documents at light load on
+four endpoints). Not set in the built-in default.
 
 ``heldIsFree`` (``unit: tokens`` only) counts each candidate's tokens in flight less the prompt
 tokens it already holds for the request being placed (the prefix scorer's match, which must run

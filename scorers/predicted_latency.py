@@ -179,6 +179,13 @@ its own speed, and a move that would compute a long context again weighs what it
 against a busy holder's decode. Prefills the picker learns of otherwise (a scrape's first-token
 count, the request's end) give no sample; with ``serve --workers`` each worker learns from its
 own requests. The factor is reported on /metrics as ``kv_picker_prefill_calibration_ratio``.
+On the routing matrix (draws 1-3, policy seed 0) it passed 251 pooled cells against the
+default's 245 with a 0.5% lower TTFT mean, but its worst throughput cell was worse (1.17x the
+best against 1.09x); with ``active-request-scorer``'s ``latencyBandPromptTokens`` at 32,768 it
+passed 253 against 249 under seeds 0-2 and 206 against 202 on draws 52-54, which no choice had
+seen, with a 1.5% lower TTFT mean there, and was not confirmed: its worst TTFT p90 cell (long
+documents at light load on four endpoints) was worse (``benchmarks/RESULTS.md`` section 1).
+The built-in default does not set it.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
@@ -193,7 +200,10 @@ blocking(e)   = blockingCost * rate(e) * own_work_s(e)^2 / 2
 
 A new document then goes where fewer requests will queue behind its prefill, not onto the
 endpoint whose hot context draws most of them; a question about a context one endpoint holds
-adds nothing there. The count is this worker's own picks.
+adds nothing there. The count is this worker's own picks. On the routing matrix's
+``long-doc-qa`` family (draws 1-3, policy seed 0) at 1 it passed 23 pooled cells against the
+default's 21, fewer than ``prefillCalibration`` alone, with a worse worst throughput cell
+(``benchmarks/RESULTS.md`` section 1): the default does not set it.
 
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
