@@ -11,6 +11,7 @@ from kv_picker.endpoint import ROLE_LABEL
 from kv_picker.errors import ConfigError
 from kv_picker.scheduling.signals import PREDICTED_COST, PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.active_request import ActiveRequestParams, ActiveRequestScorer
+from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import (
     ManualClock,
@@ -529,13 +530,20 @@ def test_latency_band_slack_keeps_candidates_within_that_many_seconds() -> None:
     assert scores(0.3) == pytest.approx([0.0, 1.0, 2 / 3])
 
 
-def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -> None:
+def _banded(**fields: object) -> tuple[EndpointStore, ActiveRequestScorer]:
+    """Three endpoints with 30,000, 0 and 10,000 tokens in flight, and a scorer counting tokens
+    with latencyBand 1 and ``fields``."""
     store = make_store(3)
     store.in_flight_tokens[:3] = [30000, 0, 10000]
-    fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandMinTokens": 16384}
+    fields = {"unit": "tokens", "latencyBand": 1.0, **fields}
     scorer = ActiveRequestScorer(
         "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
     )
+    return store, scorer
+
+
+def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -> None:
+    store, scorer = _banded(latencyBandMinTokens=16384)
 
     def scores(held_blocks: dict[int, int] | None) -> list[float]:
         request = make_request()
@@ -555,14 +563,9 @@ def test_latency_band_min_tokens_applies_the_band_to_long_held_contexts_only() -
 
 
 def test_latency_band_prompt_tokens_applies_the_band_to_long_prompts_held_or_not() -> None:
-    store = make_store(3)
     # Endpoint 1 has the fewest tokens in flight but a long prefill queued: the latency
     # estimate puts it three times slower to the first token than the others.
-    store.in_flight_tokens[:3] = [30000, 0, 10000]
-    fields = {"unit": "tokens", "latencyBand": 1.0, "latencyBandPromptTokens": 16384}
-    scorer = ActiveRequestScorer(
-        "a", decode(ActiveRequestParams, fields, "parameters"), make_context(store)
-    )
+    store, scorer = _banded(latencyBandPromptTokens=16384)
 
     def scores(tokens: int) -> list[float]:
         request = make_request("x" * 4 * tokens)  # cached nowhere: a new document
