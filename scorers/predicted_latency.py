@@ -438,29 +438,27 @@ class PredictedLatencyScorer:
     def arrival_rate(self, endpoint: Endpoint, now: float | None = None) -> float:
         """Requests per second this picker sent ``endpoint`` lately (``blockingCost``'s
         ``rate(e)``; 0 when off)."""
+        return self._picks(endpoint, self._clock() if now is None else now) / (
+            self.params.blockingWindowSeconds
+        )
+
+    def _picks(self, endpoint: Endpoint, now: float) -> float:
+        """The decayed count of this picker's picks of ``endpoint`` at ``now``."""
         entry = self._arrivals.get(endpoint.id)
         # An id freed by a removed endpoint and given to a new one starts from nothing.
         if entry is None or entry[0] is not endpoint:
             return 0.0
-        if now is None:
-            now = self._clock()
-        window = self.params.blockingWindowSeconds
-        return entry[1] * math.exp(-max(0.0, now - entry[2]) / window) / window
+        return entry[1] * math.exp(-max(0.0, now - entry[2]) / self.params.blockingWindowSeconds)
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         if not self.params.blockingCost:
             return
         now = self._clock()
-        window = self.params.blockingWindowSeconds
         picked = [result.destination]
         if result.prefill_endpoint is not None and result.prefill_endpoint is not picked[0]:
             picked.append(result.prefill_endpoint)
         for endpoint in picked:
-            entry = self._arrivals.get(endpoint.id)
-            count = 0.0
-            if entry is not None and entry[0] is endpoint:
-                count = entry[1] * math.exp(-max(0.0, now - entry[2]) / window)
-            self._arrivals[endpoint.id] = (endpoint, count + 1.0, now)
+            self._arrivals[endpoint.id] = (endpoint, self._picks(endpoint, now) + 1.0, now)
 
     def _add_blocking_costs(
         self, request: LLMRequest, candidates: Sequence[Endpoint], predictions: list[float]
