@@ -140,7 +140,9 @@ placed behind another document's prefill waited for both. Judged with
 ``predicted-latency-scorer``'s ``prefillCalibration`` (``benchmarks/RESULTS.md`` section 1): at
 32,768 tokens, 253 pooled cells against the default's 249 on draws 1-3 and 206 against 202 on
 draws 52-54, not confirmed for a worse worst TTFT p90 cell (long documents at light load on
-four endpoints). Not set in the built-in default.
+four endpoints); at 16,384 tokens, 202 against 207 on draws 55-57, not confirmed: on
+``agentic``, whose contexts grow past the threshold, it passed 25 cells against 28 with lower
+throughput (a higher hit ratio, a longer makespan). Not set in the built-in default.
 
 ``heldIsFree`` (``unit: tokens`` only) counts each candidate's tokens in flight less the prompt
 tokens it already holds for the request being placed (the prefix scorer's match, which must run

@@ -184,8 +184,10 @@ default's 245 with a 0.5% lower TTFT mean, but its worst throughput cell was wor
 best against 1.09x); with ``active-request-scorer``'s ``latencyBandPromptTokens`` at 32,768 it
 passed 253 against 249 under seeds 0-2 and 206 against 202 on draws 52-54, which no choice had
 seen, with a 1.5% lower TTFT mean there, and was not confirmed: its worst TTFT p90 cell (long
-documents at light load on four endpoints) was worse (``benchmarks/RESULTS.md`` section 1).
-The built-in default does not set it.
+documents at light load on four endpoints) was worse (``benchmarks/RESULTS.md`` section 1);
+with the band at 16,384 tokens it passed 202 against 207 on draws 55-57, not confirmed, where
+on ``agentic`` the calibration alone routed about as the default does and the band cost the
+throughput. The built-in default does not set it.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
