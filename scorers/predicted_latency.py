@@ -187,7 +187,9 @@ seen, with a 1.5% lower TTFT mean there, and was not confirmed: its worst TTFT p
 documents at light load on four endpoints) was worse (``benchmarks/RESULTS.md`` section 1);
 with the band at 16,384 tokens it passed 202 against 207 on draws 55-57, not confirmed, where
 on ``agentic`` the calibration alone routed about as the default does and the band cost the
-throughput. The built-in default does not set it.
+throughput. Alone on draws 55-57 it passed the default's 207 with a 0.4% lower TTFT mean, but
+its worst TTFT p90 cell was 1.56x the best against 1.24x (tenants at 0.6 load on four 70B
+endpoints, the default's 1.14x). The built-in default does not set it.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
