@@ -191,11 +191,11 @@ throughput. Alone on draws 55-57 it passed the default's 207 with a 0.4% lower T
 its worst TTFT p90 cell was 1.56x the best against 1.24x (tenants at 0.6 load on four 70B
 endpoints, the default's 1.14x). With this scorer's weight raised from 1 to 1.5 and
 ``decodeMinPromptTokens`` lowered to 8,192
-(``benchmarks/profiles/calibrated-latency-15-decode-8k.yaml``) it passed 217 pooled cells against the default's 205 on draws 58-60, which no choice had seen,
-with a 1.1% lower TTFT mean, 2.7% lower p90 and 5.5% higher throughput, and was not confirmed:
-its worst TTFT mean cell (an overloaded mixed H100/A100/L4 pool with shared prefixes, which the
-default fails too) was 1.38x the best against the default's worst of 1.19x. The built-in
-default does not set it.
+(``benchmarks/profiles/calibrated-latency-15-decode-8k.yaml``) it passed 217 pooled cells
+against the default's 205 on draws 58-60, which no choice had seen, with a 1.1% lower TTFT
+mean, 2.7% lower p90 and 5.5% higher throughput, and was not confirmed: its worst TTFT mean
+cell (an overloaded mixed H100/A100/L4 pool with shared prefixes, which the default fails too)
+was 1.38x the best against the default's worst of 1.19x. The built-in default does not set it.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
