@@ -21,6 +21,7 @@ HTTP responses, and only it knows Envoy.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import random
@@ -159,7 +160,7 @@ class RoutedRequest:
         self._finished = True
         # Only a response the endpoint started counts toward how long its requests last.
         seconds = self._director.store.now() - self._picked_s if self._answered else None
-        self._director._release(self.endpoint, self._prompt_tokens, seconds)
+        self._director._release(self.endpoint, self._prompt_tokens, self._picked_s, seconds)
         logged = self._logged
         if logged is not None:
             self._logged = None
@@ -385,7 +386,7 @@ class Director:
             store.in_flight[target.id] += 1
         handle._prefill = (target, tokens, pairs, separate)
         handle._prompt_tokens = total
-        self._take(endpoint, request.model, outcome, total)
+        self._take(endpoint, request.model, outcome, total, handle._picked_s)
         if self.peers is not None:
             self.peers.picked(
                 endpoint,
@@ -407,10 +408,11 @@ class Director:
         """A request without a body (GET and the like) goes to a random ready endpoint."""
         candidates = self.candidates(metadata)
         endpoint = candidates[self.rng.randrange(len(candidates))]
-        self._take(endpoint, "", PASSTHROUGH)
+        handle = RoutedRequest(self, None, endpoint, None, None, PASSTHROUGH, False)
+        self._take(endpoint, "", PASSTHROUGH, 0.0, handle._picked_s)
         if self.peers is not None:
             self.peers.took(endpoint)
-        return RoutedRequest(self, None, endpoint, None, None, PASSTHROUGH, False)
+        return handle
 
     async def route_body(
         self,
@@ -438,13 +440,19 @@ class Director:
 
     # -- accounting (through RoutedRequest) -------------------------------------------------
 
-    def _take(self, endpoint: Endpoint, model: str, outcome: str, tokens: float = 0.0) -> None:
+    def _take(
+        self, endpoint: Endpoint, model: str, outcome: str, tokens: float, picked_s: float
+    ) -> None:
+        # Picks come in time order: appending keeps the list sorted.
+        self.store.picked_s[endpoint.id].append(picked_s)
         self.store.in_flight[endpoint.id] += 1
         self.store.in_flight_tokens[endpoint.id] += tokens
         self.metrics.running.inc()
         self.metrics.requests.labels(self.metrics.model_label(model), outcome).inc()
 
-    def _release(self, endpoint: Endpoint, tokens: float, seconds: float | None = None) -> None:
+    def _release(
+        self, endpoint: Endpoint, tokens: float, picked_s: float, seconds: float | None = None
+    ) -> None:
         self.metrics.running.dec()
         if self.peers is not None:
             self.peers.released(endpoint, tokens)
@@ -457,6 +465,10 @@ class Director:
             )
             if seconds is not None:
                 store.request_done(endpoint.id, seconds)
+            picks = store.picked_s[endpoint.id]
+            at = bisect.bisect_left(picks, picked_s)
+            if at < len(picks) and picks[at] == picked_s:
+                del picks[at]
 
     def _end_prefill(
         self,

@@ -165,6 +165,30 @@ term, requests whose prompts are cached look free while they wait for a slot (th
 short): in the routing matrix the default piled chat sessions onto the endpoint holding their
 system prompt until the in-flight spreading stepped in.
 
+``slotWait`` (``uniform``) is how that wait is read. ``uniform`` is the formula above: the
+requests in flight end one every ``L / maxNumSeqs`` seconds. That holds in a steady stream; a
+burst fills an engine with requests picked within a few seconds of each other, which end
+together about ``L`` after their picks, so the next request waits most of a lifetime, not a
+sixty-fourth of one. ``ages`` reads the wait from when this picker picked each request in flight
+on ``e`` (the store's ``picked_s``, oldest first): each is expected to end ``L`` after its pick,
+the ``maxNumSeqs`` soonest to end are the ones running, and the ``x``-th request past the cap
+(``x = I(e) + 1 - maxNumSeqs``) waits for the ``x``-th of them to end, a whole lifetime more
+for each round of ``maxNumSeqs`` ahead of it:
+
+```
+r_1 <= r_2 <= ...  = max(0, picked_j + L(e) - now) over the requests in flight
+slot_s(e)          = r_(k+1) + m * L(e),  (m, k) = divmod(x - 1, min(maxNumSeqs, I(e)))
+```
+
+Requests in flight there that this picker did not pick (another worker's, a separate prefill's
+slot) are spread evenly over ``L``, as ``uniform`` assumes. Until a request has ended on ``e``,
+``L`` is ``outputTokens`` steps, which a burst of long answers outlives: then ``L`` is at least
+twice the age of the oldest request in flight (it has run that long and, knowing no more, is
+taken to run as long again). On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean
+of the cell it was built for (a burst of shared-prefix requests on a mixed pool) but passed 203
+pooled cells against the default's 205 with a 2.6% higher TTFT mean, most of it on
+``zipf-prefix`` (``benchmarks/RESULTS.md`` section 1): the default does not set it.
+
 ``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
 prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed
 from when it reached the head of its endpoint's queue (the store's ``prefill_samples``, the last
@@ -236,7 +260,8 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
 ``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
-``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10).
+``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10),
+``slotWait`` (uniform).
 """
 
 from __future__ import annotations
@@ -284,6 +309,7 @@ class PredictedLatencyParams:
     prefillCalibration: bool = False
     blockingCost: Annotated[float, NonNegative] = 0.0
     blockingWindowSeconds: Annotated[float, Positive] = 10.0
+    slotWait: Literal["uniform", "ages"] = "uniform"
 
 
 class PredictedLatencyScorer:
@@ -348,7 +374,10 @@ class PredictedLatencyScorer:
             excess = store.in_flight[i] + 1 - params.maxNumSeqs
             if excess > 0:
                 life_s = store.request_s[i] or params.outputTokens * step_s
-                slot_s = excess * life_s / params.maxNumSeqs
+                if params.slotWait == "ages":
+                    slot_s = self._slot_by_age_s(i, excess, life_s)
+                else:
+                    slot_s = excess * life_s / params.maxNumSeqs
         decode_s = 0.0
         if not params.decodeExcess:
             decode_s = self.decode_s(request, endpoint)
@@ -360,6 +389,31 @@ class PredictedLatencyScorer:
             + decode_s
             + params.transferSecondsPerToken * uncached
         )
+
+    def _slot_by_age_s(self, i: int, excess: int, life_s: float) -> float:
+        """``slotWait: ages``: when the ``excess``-th of the requests in flight on endpoint ``i``
+        is expected to end, each lasting ``life_s`` from its pick."""
+        store = self._store
+        now = store.now()
+        picks = store.picked_s[i]
+        if not store.request_s[i] and picks:
+            # No request has ended here yet: they last longer than the oldest has run, and
+            # (knowing no more) about as long again.
+            life_s = max(life_s, 2.0 * (now - picks[0]))
+        # Oldest first, so the expected remaining times come out ascending.
+        remaining = [max(0.0, picked + life_s - now) for picked in picks]
+        unknown = store.in_flight[i] - len(remaining)
+        if unknown > 0:
+            # Requests this picker did not pick here (another worker's, or a separate prefill's
+            # slot): spread evenly over a lifetime, as the uniform estimate assumes.
+            remaining.extend(life_s * k / unknown for k in range(1, unknown + 1))
+            remaining.sort()
+        if not remaining:
+            return excess * life_s / self.params.maxNumSeqs
+        # The oldest maxNumSeqs run; a slot freed goes to the next in line, whose request then
+        # holds it a whole lifetime.
+        rounds, k = divmod(excess - 1, min(self.params.maxNumSeqs, len(remaining)))
+        return remaining[k] + rounds * life_s
 
     def decode_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         """``decode_s(e)``: the request's first ``decodeTokens`` decode steps on ``endpoint``

@@ -26,6 +26,9 @@ prefill_head_s: 1230.2 -1.0    -1.0       monotonic time since which the oldest 
                                             (-1: none queued)
 in_flight_tokens: 9100.0 0.0    0.0        prompt tokens of the requests in flight (the KV their
                                             decode steps read; a prefill endpoint's: none)
+picked_s:  [1230.1, 1233.9] []  []         monotonic times this picker picked the endpoint for
+                                            the requests of its own still in flight there,
+                                            oldest first (a P/D prefill leg's: not kept)
 recent_tokens: 31000.0 0.0      0.0        uncached prompt tokens sent here to be computed, each
                                             decayed by exp(-age / 30 s) (read with recent_prefill)
 recent_pairs:  4.1e8  0.0       0.0        their attention work, decayed the same way
@@ -140,6 +143,9 @@ class EndpointStore:
         # this picker saw answered by the endpoint (0: none yet): how long a request holds one
         # of the engine's sequence slots, at most.
         self.request_s: list[float] = []
+        # When this picker picked each endpoint for the requests still in flight there, oldest
+        # first (the main endpoint of each; other workers' picks are not here).
+        self.picked_s: list[list[float]] = []
         self.scraped_s: list[float] = []
         self.first_tokens: list[float] = []
         self.ready: list[bool] = []
@@ -248,6 +254,7 @@ class EndpointStore:
             self.recent_pairs.append(0.0)
             self.recent_s.append(0.0)
             self.request_s.append(0.0)
+            self.picked_s.append([])
             self.ready.append(False)
             self.block_size_tokens.append(0)
             self.num_gpu_blocks.append(0)
@@ -271,6 +278,7 @@ class EndpointStore:
         self.recent_pairs[endpoint_id] = 0.0
         self.recent_s[endpoint_id] = 0.0
         self.request_s[endpoint_id] = 0.0
+        self.picked_s[endpoint_id] = []
         self.ready[endpoint_id] = False
         self.block_size_tokens[endpoint_id] = 0
         self.num_gpu_blocks[endpoint_id] = 0

@@ -11,7 +11,7 @@ import pytest
 
 from kv_picker.director import Director, RoutedRequest
 from kv_picker.endpoint import EndpointId, EndpointSpec
-from tests.fakes import make_director, make_request, make_store
+from tests.fakes import ManualClock, make_director, make_request, make_store
 
 E0 = EndpointId(0)
 
@@ -231,3 +231,29 @@ def test_only_a_first_byte_seen_gives_the_store_a_prefill_time() -> None:
     ended = director.route(make_request("z" * 4 * 6000, request_id="ended"))
     ended.finish()
     assert store.prefill_sample_count == 1
+
+
+def test_the_store_keeps_when_each_request_in_flight_was_picked() -> None:
+    # predicted-latency-scorer's slotWait reads these: oldest first, each dropped once its
+    # request ends (finishing twice drops nothing more), none of a replaced server's.
+    clock = ManualClock(50.0)
+    director = make_director(store=make_store(1, clock=clock))
+    store = director.store
+    a = _route(director, blind=False)
+    clock.advance(1.0)
+    b = _route(director, blind=False)
+    clock.advance(1.0)
+    c = director.route_bodyless(None)  # a request without a body holds a slot too
+    assert store.picked_s[0] == [50.0, 51.0, 52.0]
+    b.finish()
+    b.finish()
+    assert store.picked_s[0] == [50.0, 52.0]
+    store.set_endpoints([EndpointSpec("10.0.0.1:8000", instance="pod-2")])
+    assert store.picked_s[0] == []
+    _scrape(director, 0.0)  # ready
+    d = _route(director, blind=False)
+    a.finish()  # sent to the old server: the new one's list is not touched
+    c.finish()
+    assert store.picked_s[0] == [52.0]
+    d.finish()
+    assert store.picked_s[0] == [] and store.in_flight[0] == 0

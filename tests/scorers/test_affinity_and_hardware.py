@@ -240,6 +240,78 @@ def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
     assert off.predict_ttft_s(request, full) == pytest.approx(base)
 
 
+def test_predicted_latency_slot_wait_by_age_waits_for_the_oldest_request() -> None:
+    # slotWait: ages: the request past the cap waits until the in-flight request picked first
+    # is expected to end (its pick + the requests' lifetime), not one lifetime / maxNumSeqs.
+    clock = ManualClock(100.0)
+    store = make_store(2, clock=clock)
+    full, free = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=0,
+        maxNumSeqs=4,
+        slotWait="ages",
+    )
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    uniform = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, slotWait="uniform"), make_context(store)
+    )
+    request = make_request("x" * 4 * 1_000)  # 0.1 s of prefill, one 0.01 s step
+    base = 0.1 + 0.01
+    store.request_done(full.id, 10.0)  # requests here last 10 s
+    # Four requests picked together 1 s ago fill the engine: the next slot frees in 9 s.
+    store.picked_s[full.id].extend([99.0] * 4)
+    store.in_flight[full.id] = 4
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 9.0)
+    assert uniform.predict_ttft_s(request, full) == pytest.approx(base + 10.0 / 4)
+    # Picked in turn over the last 10 s: the oldest is about to end.
+    store.picked_s[full.id][:] = [90.5, 93.0, 95.5, 98.0]
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.5)
+    # Two past the cap: the second oldest.
+    store.picked_s[full.id].append(99.5)
+    store.in_flight[full.id] = 5
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 3.0)
+    # Requests this picker did not pick there (another worker's) are spread over a lifetime.
+    store.picked_s[full.id][:] = [99.0]
+    store.in_flight[full.id] = 4  # three unknown: 10/3, 20/3 and 10 s left
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 10.0 / 3)
+    # More waiting than running: the four running end in 5 s, the next four in line take their
+    # slots for a whole lifetime, and this request waits for one of those.
+    store.picked_s[full.id][:] = [95.0] * 4 + [99.5] * 5
+    store.in_flight[full.id] = 9
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 5.0 + 10.0)
+    assert scorer.predict_ttft_s(request, free) == pytest.approx(base)
+
+
+def test_predicted_latency_slot_wait_by_age_before_any_request_has_ended() -> None:
+    # With no lifetime measured yet, requests last longer than the oldest in flight has run,
+    # and it is taken to run as long again: outputTokens steps would call it done already.
+    clock = ManualClock(100.0)
+    store = make_store(1, clock=clock)
+    (full,) = store.all()
+    params = PredictedLatencyParams(
+        prefillTokensPerSecond=10_000,
+        attentionCrossoverTokens=0,
+        stepSeconds=0.01,
+        kvReadTokensPerSecond=0,
+        maxNumSeqs=2,
+        outputTokens=100,  # 1 s
+        slotWait="ages",
+    )
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    request = make_request("x" * 4 * 1_000)
+    base = 0.1 + 0.01
+    store.picked_s[full.id].extend([99.8, 99.9])
+    store.in_flight[full.id] = 2
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.8)  # 1 s from 99.8
+    clock.advance(3.0)  # 3.2 s in flight and not ended: 3.2 s more
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 3.2)
+    store.request_done(full.id, 4.0)  # once one has ended, its lifetime is measured
+    assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.8)
+
+
 def cached_on_first_of(*classes: str, **params: float):  # type: ignore[no-untyped-def]
     """A store of ``classes``, linear-only latency parameters at 10,000 prefill tokens/s (plus
     ``params``), and a 10,000-token request the first endpoint holds whole."""
@@ -301,6 +373,8 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("prefillCalibration", "yes please"),
         ("blockingCost", -1),
         ("blockingWindowSeconds", 0),
+        ("slotWait", "oldest"),
+        ("slotWait", 1),
     ],
 )
 def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
