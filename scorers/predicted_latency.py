@@ -184,7 +184,7 @@ Requests in flight there that this picker did not pick (another worker's, a sepa
 slot) are spread evenly over ``L``, as ``uniform`` assumes. Until a request has ended on ``e``,
 ``L`` is ``outputTokens`` steps, which a burst of long answers outlives: then ``L`` is at least
 twice the age of the oldest request in flight (it has run that long and, knowing no more, is
-taken to run as long again). On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean
+taken to run as long again; ``slotColdAgeFactor``, 2, is that multiple, 0 the guess alone). On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean
 of the cell it was built for (a burst of shared-prefix requests on a mixed pool) but passed 203
 pooled cells against the default's 205 with a 2.6% higher TTFT mean, most of it on
 ``zipf-prefix`` (``benchmarks/RESULTS.md`` section 1): the default does not set it.
@@ -261,7 +261,7 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
 ``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
 ``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10),
-``slotWait`` (uniform).
+``slotWait`` (uniform), ``slotColdAgeFactor`` (2).
 """
 
 from __future__ import annotations
@@ -310,6 +310,7 @@ class PredictedLatencyParams:
     blockingCost: Annotated[float, NonNegative] = 0.0
     blockingWindowSeconds: Annotated[float, Positive] = 10.0
     slotWait: Literal["uniform", "ages"] = "uniform"
+    slotColdAgeFactor: Annotated[float, NonNegative] = 2.0
 
 
 class PredictedLatencyScorer:
@@ -399,7 +400,7 @@ class PredictedLatencyScorer:
         if not store.request_s[i] and picks:
             # No request has ended here yet: they last longer than the oldest has run, and
             # (knowing no more) about as long again.
-            life_s = max(life_s, 2.0 * (now - picks[0]))
+            life_s = max(life_s, self.params.slotColdAgeFactor * (now - picks[0]))
         # Oldest first, so the expected remaining times come out ascending.
         remaining = [max(0.0, picked + life_s - now) for picked in picks]
         unknown = store.in_flight[i] - len(remaining)

@@ -308,6 +308,10 @@ def test_predicted_latency_slot_wait_by_age_before_any_request_has_ended() -> No
     assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.8)  # 1 s from 99.8
     clock.advance(3.0)  # 3.2 s in flight and not ended: 3.2 s more
     assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 3.2)
+    guess = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, slotColdAgeFactor=0), make_context(store)
+    )
+    assert guess.predict_ttft_s(request, full) == pytest.approx(base)  # 1 s from 99.8: past
     store.request_done(full.id, 4.0)  # once one has ended, its lifetime is measured
     assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.8)
 
@@ -375,6 +379,7 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("blockingWindowSeconds", 0),
         ("slotWait", "oldest"),
         ("slotWait", 1),
+        ("slotColdAgeFactor", -1),
     ],
 )
 def test_predicted_latency_rejects_a_bad_value(name: str, value: object) -> None:
