@@ -187,7 +187,9 @@ twice the age of the oldest request in flight (it has run that long and, knowing
 taken to run as long again; ``slotColdAgeFactor``, 2, is that multiple, 0 the guess alone). On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean
 of the cell it was built for (a burst of shared-prefix requests on a mixed pool) but passed 203
 pooled cells against the default's 205 with a 2.6% higher TTFT mean, most of it on
-``zipf-prefix`` (``benchmarks/RESULTS.md`` section 1): the default does not set it.
+``zipf-prefix``, where reading the ages costs with or without the cold-start floor, and the
+floor is what helped the burst (``benchmarks/RESULTS.md`` section 1): the default does not set
+it.
 
 ``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
 prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed
