@@ -1,5 +1,6 @@
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 
@@ -208,17 +209,21 @@ def test_predicted_latency_remote_prefill_costs_a_decode_endpoint_its_steps_only
     assert scorer.predict_ttft_s(short, holder) > 0.1 + 0.11
 
 
-def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
-    store = make_store(2)
-    full, free = store.all()
-    params = PredictedLatencyParams(
+def slot_params(**params: Any) -> PredictedLatencyParams:
+    """Linear prefill at 10,000 tokens/s, 10 ms steps, no KV-read term (plus ``params``)."""
+    return PredictedLatencyParams(
         prefillTokensPerSecond=10_000,
         attentionCrossoverTokens=0,
         stepSeconds=0.01,
         kvReadTokensPerSecond=0,
-        maxNumSeqs=4,
-        outputTokens=100,
+        **params,
     )
+
+
+def test_predicted_latency_waits_for_a_free_sequence_slot() -> None:
+    store = make_store(2)
+    full, free = store.all()
+    params = slot_params(maxNumSeqs=4, outputTokens=100)
     scorer = PredictedLatencyScorer("p", params, make_context(store))
     request = make_request("x" * 4 * 1_000)  # 1,000 tokens: 0.1 s of prefill, one step
     base = 0.1 + 0.01
@@ -246,14 +251,7 @@ def test_predicted_latency_slot_wait_by_age_waits_for_the_oldest_request() -> No
     clock = ManualClock(100.0)
     store = make_store(2, clock=clock)
     full, free = store.all()
-    params = PredictedLatencyParams(
-        prefillTokensPerSecond=10_000,
-        attentionCrossoverTokens=0,
-        stepSeconds=0.01,
-        kvReadTokensPerSecond=0,
-        maxNumSeqs=4,
-        slotWait="ages",
-    )
+    params = slot_params(maxNumSeqs=4, slotWait="ages")
     scorer = PredictedLatencyScorer("p", params, make_context(store))
     uniform = PredictedLatencyScorer(
         "p", dataclasses.replace(params, slotWait="uniform"), make_context(store)
@@ -291,15 +289,7 @@ def test_predicted_latency_slot_wait_by_age_before_any_request_has_ended() -> No
     clock = ManualClock(100.0)
     store = make_store(1, clock=clock)
     (full,) = store.all()
-    params = PredictedLatencyParams(
-        prefillTokensPerSecond=10_000,
-        attentionCrossoverTokens=0,
-        stepSeconds=0.01,
-        kvReadTokensPerSecond=0,
-        maxNumSeqs=2,
-        outputTokens=100,  # 1 s
-        slotWait="ages",
-    )
+    params = slot_params(maxNumSeqs=2, outputTokens=100, slotWait="ages")  # 100 steps: 1 s
     scorer = PredictedLatencyScorer("p", params, make_context(store))
     request = make_request("x" * 4 * 1_000)
     base = 0.1 + 0.01
