@@ -113,7 +113,7 @@ def test_every_request_source_of_a_label_leaves_metrics_readable(text: str) -> N
         _send(director, {"model": "m", "prompt": "hi"}, "/v1/completions", extra)
         # The parser rejects what cannot be encoded; the label must not rely on it.
         endpoint = director.store.all()[0]
-        director._take(endpoint, text, "routed")
+        director._take(endpoint, text, "routed", 0.0, director.store.now())
         stream = RequestStream(director)
         stream.model = text
         run(stream, headers_message(), body_message(b"{not json"))
@@ -134,6 +134,8 @@ def test_any_model_name_gives_a_readable_exposition(model: str) -> None:
 def test_distinct_hostile_models_are_capped() -> None:
     director = make_director(store=make_store(2))
     for i in range(3 * MAX_MODEL_LABELS):
-        director._take(director.store.all()[0], f"\ud800{i}" + "y" * 200, "routed")
+        director._take(
+            director.store.all()[0], f"\ud800{i}" + "y" * 200, "routed", 0.0, director.store.now()
+        )
     values = check_exposition(director.metrics)
     assert len(values["model"]) <= MAX_MODEL_LABELS + 1
