@@ -184,12 +184,12 @@ Requests in flight there that this picker did not pick (another worker's, a sepa
 slot) are spread evenly over ``L``, as ``uniform`` assumes. Until a request has ended on ``e``,
 ``L`` is ``outputTokens`` steps, which a burst of long answers outlives: then ``L`` is at least
 twice the age of the oldest request in flight (it has run that long and, knowing no more, is
-taken to run as long again; ``slotColdAgeFactor``, 2, is that multiple, 0 the guess alone). On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean
-of the cell it was built for (a burst of shared-prefix requests on a mixed pool) but passed 203
-pooled cells against the default's 205 with a 2.6% higher TTFT mean, most of it on
-``zipf-prefix``, where reading the ages costs with or without the cold-start floor, and the
-floor is what helped the burst (``benchmarks/RESULTS.md`` section 1): the default does not set
-it.
+taken to run as long again; ``slotColdAgeFactor``, 2, is that multiple, 0 the guess alone).
+On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean of the cell it was built
+for (a burst of shared-prefix requests on a mixed pool) but passed 203 pooled cells against the
+default's 205 with a 2.6% higher TTFT mean, most of it on ``zipf-prefix``, where reading the
+ages costs with or without the cold-start floor, and the floor is what helped the burst
+(``benchmarks/RESULTS.md`` section 1): the default does not set it.
 
 ``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
 prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed
@@ -413,8 +413,8 @@ class PredictedLatencyScorer:
             remaining.sort()
         if not remaining:
             return excess * life_s / self.params.maxNumSeqs
-        # The oldest maxNumSeqs run; a slot freed goes to the next in line, whose request then
-        # holds it a whole lifetime.
+        # The maxNumSeqs soonest to end run; a slot freed goes to the next in line, whose
+        # request then holds it a whole lifetime.
         rounds, k = divmod(excess - 1, min(self.params.maxNumSeqs, len(remaining)))
         return remaining[k] + rounds * life_s
 
