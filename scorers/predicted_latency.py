@@ -189,7 +189,9 @@ On the routing matrix (draws 58-60, seeds 0-2) it cut the TTFT mean of the cell 
 for (a burst of shared-prefix requests on a mixed pool) but passed 203 pooled cells against the
 default's 205 with a 2.6% higher TTFT mean, most of it on ``zipf-prefix``, where reading the
 ages costs with or without the cold-start floor, and the floor is what helped the burst
-(``benchmarks/RESULTS.md`` section 1): the default does not set it.
+(``benchmarks/RESULTS.md`` section 1): the default does not set it. ``cold-ages`` reads the
+ages only until a request has ended on ``e`` (the burst that filled an engine together), and the
+uniform formula once ``L`` is measured there (a stream whose requests end in turn).
 
 ``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
 prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed
@@ -311,7 +313,7 @@ class PredictedLatencyParams:
     prefillCalibration: bool = False
     blockingCost: Annotated[float, NonNegative] = 0.0
     blockingWindowSeconds: Annotated[float, Positive] = 10.0
-    slotWait: Literal["uniform", "ages"] = "uniform"
+    slotWait: Literal["uniform", "ages", "cold-ages"] = "uniform"
     slotColdAgeFactor: Annotated[float, NonNegative] = 2.0
 
 
@@ -377,7 +379,9 @@ class PredictedLatencyScorer:
             excess = store.in_flight[i] + 1 - params.maxNumSeqs
             if excess > 0:
                 life_s = store.request_s[i] or params.outputTokens * step_s
-                if params.slotWait == "ages":
+                if params.slotWait == "ages" or (
+                    params.slotWait == "cold-ages" and not store.request_s[i]
+                ):
                     slot_s = self._slot_by_age_s(i, excess, life_s)
                 else:
                     slot_s = excess * life_s / params.maxNumSeqs

@@ -62,6 +62,15 @@ so the built-in default does not set it (``benchmarks/RESULTS.md`` section 1). W
 ``pendingYieldDecode`` at 2 it lost less throughput there, and on draws no choice had seen it
 passed one cell more than the default with the same TTFT on average, its worst TTFT p90 and
 throughput cells better and its worst TTFT mean cell 0.7% worse, so that is not set either.
+
+``fullYield`` (0: off; set it to the engines' ``--max-num-seqs``) stops a cache hit drawing
+requests to an engine whose sequence slots are all taken. A request sent there waits for a
+running one to end before its prefill, short as it is, can start; in a burst that fills the
+holders of a hot prefix together, that is seconds, and an endpoint with a free slot computes the
+prefix again sooner. With the option a candidate with at least ``fullYield`` requests in flight
+from this picker scores 0 while some candidate has fewer; when every candidate is full the
+scores stand. The published match is unchanged: the latency estimate, which prices the slot
+wait, still sees the prompt as held there.
 """
 
 from __future__ import annotations
@@ -106,6 +115,7 @@ class PrefixCacheParams:
     cappedMatchIsWhole: bool = False
     pendingYieldTokens: Annotated[int, NonNegative] = 0
     pendingYieldDecode: Annotated[float, NonNegative] = 0.0
+    fullYield: Annotated[int, NonNegative] = 0
 
 
 class PrefixCacheScorer:
@@ -177,6 +187,19 @@ class PrefixCacheScorer:
                 out[i] = run / total
         if self.params.pendingYieldTokens and len(matched) > 1:
             self._yield_pending(candidates, runs, out)
+        if self.params.fullYield:
+            self._yield_full(candidates, out)
+
+    def _yield_full(self, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        """Zero the score of a holder with ``fullYield`` requests in flight (every sequence
+        slot taken) while some candidate has a slot free (``fullYield``)."""
+        cap = self.params.fullYield
+        in_flight = self._store.in_flight
+        if all(in_flight[endpoint.id] >= cap for endpoint in candidates):
+            return
+        for i, endpoint in enumerate(candidates):
+            if out[i] and in_flight[endpoint.id] >= cap:
+                out[i] = 0.0
 
     def _yield_pending(
         self, candidates: Sequence[Endpoint], runs: list[int], out: list[float]

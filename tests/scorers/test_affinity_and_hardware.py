@@ -306,6 +306,30 @@ def test_predicted_latency_slot_wait_by_age_before_any_request_has_ended() -> No
     assert scorer.predict_ttft_s(request, full) == pytest.approx(base + 0.8)
 
 
+def test_predicted_latency_slot_wait_cold_ages_reads_ages_until_a_request_has_ended() -> None:
+    # slotWait: cold-ages: the ages while nothing has ended on the endpoint (a burst that filled
+    # it together), the uniform formula once a request's duration there is measured.
+    clock = ManualClock(100.0)
+    store = make_store(2, clock=clock)
+    cold, warm = store.all()
+    params = slot_params(maxNumSeqs=2, outputTokens=100, slotWait="cold-ages")  # 100 steps: 1 s
+    scorer = PredictedLatencyScorer("p", params, make_context(store))
+    request = make_request("x" * 4 * 1_000)
+    base = 0.1 + 0.01
+    for endpoint in (cold, warm):
+        store.picked_s[endpoint.id].extend([97.0, 99.0])
+        store.in_flight[endpoint.id] = 2
+    store.request_done(warm.id, 8.0)
+    # Cold: 3 s in flight and not ended, so 6 s in all: 3 s left for the oldest.
+    assert scorer.predict_ttft_s(request, cold) == pytest.approx(base + 3.0)
+    # Warm: one slot frees every 8 s / 2, whatever the picks' ages.
+    assert scorer.predict_ttft_s(request, warm) == pytest.approx(base + 8.0 / 2)
+    ages = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, slotWait="ages"), make_context(store)
+    )
+    assert ages.predict_ttft_s(request, warm) == pytest.approx(base + 5.0)  # 97 + 8 - 100
+
+
 def cached_on_first_of(*classes: str, **params: float):  # type: ignore[no-untyped-def]
     """A store of ``classes``, linear-only latency parameters at 10,000 prefill tokens/s (plus
     ``params``), and a 10,000-token request the first endpoint holds whole."""

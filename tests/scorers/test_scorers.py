@@ -312,6 +312,32 @@ def test_a_queued_copy_does_not_yield_to_a_holder_that_matches_less() -> None:
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.5, 1.0]
 
 
+@pytest.mark.parametrize("cap", [0, 4, 5])
+def test_full_yield_stops_a_hit_drawing_requests_to_an_engine_with_every_slot_taken(
+    cap: int,
+) -> None:
+    """Endpoints 1 and 2 hold the prompt; endpoint 2 has 4 requests in flight. With
+    ``fullYield`` 4 it scores 0 while another candidate has a slot free; off, or at 5, it
+    keeps its score. Once every candidate is full, the scores stand."""
+    store = make_store(3)
+    scorer = PrefixCacheScorer(
+        "p", PrefixCacheParams(blockSizeChars=10, fullYield=cap), make_context(store)
+    )
+    endpoints = store.all()
+    _held_at(scorer, store, [(endpoints[1], "a" * 400), (endpoints[2], "a" * 400)])
+    store.in_flight[endpoints[2].id] = 4
+    request = make_request("a" * 400)
+    assert scores(scorer, store, request) == [0.0, 1.0, 0.0 if cap == 4 else 1.0]
+    assert cached_tokens(request, endpoints[2].id) == 100.0  # the published match is unchanged
+    # The only holder full: an endpoint holding nothing has a slot, so the hit yields.
+    store.in_flight[endpoints[1].id] = 4
+    assert scores(scorer, store, make_request("a" * 400)) == (
+        [0.0, 0.0, 0.0] if cap == 4 else [0.0, 1.0, 1.0]
+    )
+    store.in_flight[endpoints[0].id] = 4  # every candidate full
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 1.0]
+
+
 def test_pending_yield_decode_needs_pending_yield_tokens() -> None:
     document = {
         "plugins": [
