@@ -191,7 +191,9 @@ default's 205 with a 2.6% higher TTFT mean, most of it on ``zipf-prefix``, where
 ages costs with or without the cold-start floor, and the floor is what helped the burst
 (``benchmarks/RESULTS.md`` section 1): the default does not set it. ``cold-ages`` reads the
 ages only until a request has ended on ``e`` (the burst that filled an engine together), and the
-uniform formula once ``L`` is measured there (a stream whose requests end in turn).
+uniform formula once ``L`` is measured there (a stream whose requests end in turn). With the
+default on draws 58-60 it passed 208 pooled cells against 205 with a TTFT mean 0.4% higher, and
+on top of ``prefix-cache-scorer``'s ``fullYield`` it cost on most families: not set either.
 
 ``prefillCalibration`` (off) learns the pool's prefill speed from what this picker sees: each
 prefill of at least 4,096 uncached tokens whose first response byte the gateway shows is timed

@@ -70,7 +70,12 @@ holders of a hot prefix together, that is seconds, and an endpoint with a free s
 prefix again sooner. With the option a candidate with at least ``fullYield`` requests in flight
 from this picker scores 0 while some candidate has fewer; when every candidate is full the
 scores stand. The published match is unchanged: the latency estimate, which prices the slot
-wait, still sees the prompt as held there.
+wait, still sees the prompt as held there. On the routing matrix (draws 58-60, seeds 0-2) it
+took the calibrated profile at latency weight 1.5 from a worst TTFT mean cell of 1.38x the best
+(a burst on a mixed pool) to 1.21x with 220 pooled cells against the default's 205; on the
+fresh draws 61-63 that profile passed 215 against 213 with a lower TTFT mean, but its worst TTFT
+mean cell was 1.33x the best where the default's is 1.09x, and with the default alone it raised
+the TTFT mean (``benchmarks/RESULTS.md`` section 1): the default does not set it.
 """
 
 from __future__ import annotations
