@@ -68,8 +68,10 @@ requests to an engine whose sequence slots are all taken. A request sent there w
 running one to end before its prefill, short as it is, can start; in a burst that fills the
 holders of a hot prefix together, that is seconds, and an endpoint with a free slot computes the
 prefix again sooner. With the option a candidate with at least ``fullYield`` requests in flight
-from this picker scores 0 while some candidate has fewer; when every candidate is full the
-scores stand. The published match is unchanged: the latency estimate, which prices the slot
+from this picker scores 0 while some candidate has at least ``fullYieldFree`` (1) slots free;
+otherwise the scores stand. In a burst that fills every endpoint within moments, the endpoint
+with one slot free is as full by the time it has computed the prefix again; a larger
+``fullYieldFree`` yields only to a candidate with room to spare. The published match is unchanged: the latency estimate, which prices the slot
 wait, still sees the prompt as held there. On the routing matrix (draws 58-60, seeds 0-2) it
 took the calibrated profile at latency weight 1.5 from a worst TTFT mean cell of 1.38x the best
 (a burst on a mixed pool) to 1.21x with 220 pooled cells against the default's 205; on the
@@ -121,6 +123,7 @@ class PrefixCacheParams:
     pendingYieldTokens: Annotated[int, NonNegative] = 0
     pendingYieldDecode: Annotated[float, NonNegative] = 0.0
     fullYield: Annotated[int, NonNegative] = 0
+    fullYieldFree: Annotated[int, Range(ge=1)] = 1
 
 
 class PrefixCacheScorer:
@@ -197,10 +200,11 @@ class PrefixCacheScorer:
 
     def _yield_full(self, candidates: Sequence[Endpoint], out: list[float]) -> None:
         """Zero the score of a holder with ``fullYield`` requests in flight (every sequence
-        slot taken) while some candidate has a slot free (``fullYield``)."""
+        slot taken) while some candidate has ``fullYieldFree`` slots free (``fullYield``)."""
         cap = self.params.fullYield
         in_flight = self._store.in_flight
-        if all(in_flight[endpoint.id] >= cap for endpoint in candidates):
+        room = cap - self.params.fullYieldFree
+        if all(in_flight[endpoint.id] > room for endpoint in candidates):
             return
         for i, endpoint in enumerate(candidates):
             if out[i] and in_flight[endpoint.id] >= cap:

@@ -338,6 +338,21 @@ def test_full_yield_stops_a_hit_drawing_requests_to_an_engine_with_every_slot_ta
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(("free", "yields"), [(1, True), (3, True), (4, False)])
+def test_full_yield_free_yields_only_to_a_candidate_with_room(free: int, yields: bool) -> None:
+    """Endpoint 2 holds the prompt with its 8 slots taken; endpoint 0, holding nothing, has 5
+    in flight (3 free). The hit yields only while a candidate has ``fullYieldFree`` free."""
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=10, fullYield=8, fullYieldFree=free)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    endpoints = store.all()
+    _held_at(scorer, store, [(endpoints[2], "a" * 400)])
+    store.in_flight[endpoints[0].id] = 5
+    store.in_flight[endpoints[1].id] = 8
+    store.in_flight[endpoints[2].id] = 8
+    assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.0, 0.0 if yields else 1.0]
+
+
 def test_pending_yield_decode_needs_pending_yield_tokens() -> None:
     document = {
         "plugins": [
