@@ -142,6 +142,8 @@ class PrefixCacheScorer:
     def __init__(self, name: str, params: PrefixCacheParams, ctx: BuildContext) -> None:
         if params.pendingYieldDecode and not params.pendingYieldTokens:
             raise ValueError("pendingYieldDecode needs pendingYieldTokens (it narrows that yield)")
+        if params.fullYieldFree != 1 and not params.fullYield:
+            raise ValueError("fullYieldFree needs fullYield (it narrows that yield)")
         self.name = name
         self.params = params
 

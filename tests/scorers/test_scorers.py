@@ -353,6 +353,20 @@ def test_full_yield_free_yields_only_to_a_candidate_with_room(free: int, yields:
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.0, 0.0 if yields else 1.0]
 
 
+def test_full_yield_free_needs_full_yield() -> None:
+    document = {
+        "plugins": [
+            {"type": "prefix-cache-scorer", "parameters": {"fullYieldFree": 8}},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match="fullYieldFree needs fullYield"):
+        make_scheduler(document, make_store(2))
+    document["plugins"][0]["parameters"] = {"fullYield": 64, "fullYieldFree": 0}
+    with pytest.raises(ConfigError, match="fullYieldFree"):
+        make_scheduler(document, make_store(2))
+
+
 def test_pending_yield_decode_needs_pending_yield_tokens() -> None:
     document = {
         "plugins": [
