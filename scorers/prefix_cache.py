@@ -77,7 +77,9 @@ took the calibrated profile at latency weight 1.5 from a worst TTFT mean cell of
 (a burst on a mixed pool) to 1.21x with 220 pooled cells against the default's 205; on the
 fresh draws 61-63 that profile passed 215 against 213 with a lower TTFT mean, but its worst TTFT
 mean cell was 1.33x the best where the default's is 1.09x, and with the default alone it raised
-the TTFT mean (``benchmarks/RESULTS.md`` section 1): the default does not set it.
+the TTFT mean (``benchmarks/RESULTS.md`` section 1): the default does not set it. With
+``fullYieldFree`` 16 that profile kept its gains on both draw sets without the failing cell,
+found after both were read: it awaits a fresh confirmation set.
 """
 
 from __future__ import annotations
