@@ -71,8 +71,9 @@ prefix again sooner. With the option a candidate with at least ``fullYield`` req
 from this picker scores 0 while some candidate has at least ``fullYieldFree`` (1) slots free;
 otherwise the scores stand. In a burst that fills every endpoint within moments, the endpoint
 with one slot free is as full by the time it has computed the prefix again; a larger
-``fullYieldFree`` yields only to a candidate with room to spare. The published match is unchanged: the latency estimate, which prices the slot
-wait, still sees the prompt as held there. On the routing matrix (draws 58-60, seeds 0-2) it
+``fullYieldFree`` yields only to a candidate with room to spare. The published match is
+unchanged: the latency estimate, which prices the slot wait, still sees the prompt as held
+there. On the routing matrix (draws 58-60, seeds 0-2) it
 took the calibrated profile at latency weight 1.5 from a worst TTFT mean cell of 1.38x the best
 (a burst on a mixed pool) to 1.21x with 220 pooled cells against the default's 205; on the
 fresh draws 61-63 that profile passed 215 against 213 with a lower TTFT mean, but its worst TTFT
