@@ -353,28 +353,24 @@ def test_full_yield_free_yields_only_to_a_candidate_with_room(free: int, yields:
     assert scores(scorer, store, make_request("a" * 400)) == [0.0, 0.0, 0.0 if yields else 1.0]
 
 
-def test_full_yield_free_needs_full_yield() -> None:
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"fullYieldFree": 8}, "fullYieldFree needs fullYield"),
+        ({"fullYield": 64, "fullYieldFree": 0}, "fullYieldFree"),
+        ({"pendingYieldDecode": 2}, "pendingYieldDecode needs pendingYieldTokens"),
+    ],
+)
+def test_prefix_cache_rejects_bad_yield_parameters(
+    parameters: dict[str, int], message: str
+) -> None:
     document = {
         "plugins": [
-            {"type": "prefix-cache-scorer", "parameters": {"fullYieldFree": 8}},
+            {"type": "prefix-cache-scorer", "parameters": parameters},
             {"type": "max-score-picker"},
         ],
     }
-    with pytest.raises(ConfigError, match="fullYieldFree needs fullYield"):
-        make_scheduler(document, make_store(2))
-    document["plugins"][0]["parameters"] = {"fullYield": 64, "fullYieldFree": 0}
-    with pytest.raises(ConfigError, match="fullYieldFree"):
-        make_scheduler(document, make_store(2))
-
-
-def test_pending_yield_decode_needs_pending_yield_tokens() -> None:
-    document = {
-        "plugins": [
-            {"type": "prefix-cache-scorer", "parameters": {"pendingYieldDecode": 2}},
-            {"type": "max-score-picker"},
-        ],
-    }
-    with pytest.raises(ConfigError, match="pendingYieldDecode needs pendingYieldTokens"):
+    with pytest.raises(ConfigError, match=message):
         make_scheduler(document, make_store(2))
 
 
