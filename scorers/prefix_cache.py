@@ -80,7 +80,10 @@ fresh draws 61-63 that profile passed 215 against 213 with a lower TTFT mean, bu
 mean cell was 1.33x the best where the default's is 1.09x, and with the default alone it raised
 the TTFT mean (``benchmarks/RESULTS.md`` section 1): the default does not set it. With
 ``fullYieldFree`` 16 that profile kept its gains on both draw sets without the failing cell,
-found after both were read: it awaits a fresh confirmation set.
+found after both were read; on the fresh draws 64-66 it passed 222 pooled cells against 216
+with a lower TTFT mean and was not confirmed: a worst TTFT mean cell of 1.51x the best against
+the default's 1.47x (long documents at light load, where its decode term from 8,192 prompt
+tokens moves questions off their document's holder).
 """
 
 from __future__ import annotations
