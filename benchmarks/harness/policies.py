@@ -46,7 +46,13 @@ workers' events and its own response streams.
 P/D runs wrap any policy with :func:`pd_variant`: the service's ``pd-profile-handler`` over a
 ``decode`` and a ``prefill`` profile, each with its own copy of the policy's plugins behind its
 role filter. A harness plugin whose type the service's registry also has is left out (the
-service's wins).
+service's wins). A policy file may set ``pdParameters`` (a harness key, read here and not passed
+to the service): per side (``decode``, ``prefill``) and plugin name, parameters that side's copy
+takes over the shared ones, as a production P/D config sets each profile's plugins apart::
+
+    pdParameters:
+      decode:
+        predicted-latency-scorer: {decodeMinPromptTokens: 8192}
 """
 
 from __future__ import annotations
@@ -407,11 +413,14 @@ class Policy:
         name: Name in reports.
         document: The decoded config (plugins, schedulingProfiles, ...).
         source: ``baseline`` or the file it was read from.
+        pd_parameters: Per P/D side (``decode``, ``prefill``) and plugin name, parameters that
+            side's copy takes in :func:`pd_variant`; unused on aggregated clusters.
     """
 
     name: str
     document: Mapping[str, Any] = field(default_factory=dict)
     source: str = "baseline"
+    pd_parameters: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
 
     def config(self, registry: Registry) -> PickerConfig:
         """Validate the document (as the service would).
@@ -484,7 +493,37 @@ def resolve_policy(item: str) -> Policy:
         raise ConfigError(f"{path}: cannot read policy config: {exc}") from exc
     if not isinstance(document, Mapping):
         raise ConfigError(f"{path}: a policy config must be a mapping")
-    return Policy(name, dict(document), str(path))
+    document = dict(document)
+    pd_parameters = _pd_parameters(document.pop(PD_PARAMETERS_KEY, {}), path)
+    return Policy(name, document, str(path), pd_parameters)
+
+
+PD_PARAMETERS_KEY = "pdParameters"
+PD_SIDES = ("decode", "prefill")
+
+
+def _pd_parameters(value: Any, path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """The ``pdParameters`` section: side -> plugin name -> parameters (shape checked here; the
+    plugins and their parameters are checked when :func:`pd_variant` builds the config)."""
+    where = f"{path}: {PD_PARAMETERS_KEY}"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must map a side ({', '.join(PD_SIDES)}) to plugins")
+    sides: dict[str, dict[str, dict[str, Any]]] = {}
+    for side, plugins in value.items():
+        if side not in PD_SIDES:
+            raise ConfigError(f"{where}: unknown side {side!r}; known: {', '.join(PD_SIDES)}")
+        if not isinstance(plugins, Mapping):
+            raise ConfigError(f"{where}.{side} must map plugin names to parameters")
+        sides[side] = {}
+        for plugin, parameters in plugins.items():
+            if not isinstance(parameters, Mapping) or not parameters:
+                raise ConfigError(
+                    f"{where}.{side}.{plugin} must be a non-empty mapping of parameters"
+                )
+            sides[side][str(plugin)] = dict(parameters)
+    return sides
 
 
 def resolve_policies(items: Sequence[str]) -> list[Policy]:
@@ -509,10 +548,23 @@ def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
     (``decode-<name>``, ``prefill-<name>``) behind their role filter, so stateful pickers keep
     separate state per side, as peer routers keep separate prefill and decode policies. The
     handler disaggregates when at least ``non_cached_tokens`` prompt tokens are not cached on
-    the chosen decode endpoint (as the decode profile's prefix scorer sees it).
+    the chosen decode endpoint (as the decode profile's prefix scorer sees it). The policy's
+    ``pd_parameters`` are laid over each side's copies.
+
+    Raises:
+        ConfigError: more than one profile, or ``pd_parameters`` naming a plugin the policy
+            does not have.
     """
     document = dict(policy.document)
     plugins = [dict(p) for p in document.get("plugins", DEFAULT_PLUGINS)]
+    names = [p.get("name") or p["type"] for p in plugins]
+    for side, overrides in policy.pd_parameters.items():
+        missing = sorted(set(overrides) - set(names))
+        if missing:
+            raise ConfigError(
+                f"policy {policy.name}: {PD_PARAMETERS_KEY}.{side} names plugin(s) "
+                f"{', '.join(missing)} the policy does not have; it has {', '.join(names)}"
+            )
     profiles = document.get("schedulingProfiles")
     if profiles is None:
         profiles = [DEFAULT_PROFILE] if "plugins" not in document else None
@@ -525,8 +577,12 @@ def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
     copies: list[dict[str, Any]] = []
     profiles_out = []
     for side, role_filter in (("decode", "decode-filter"), ("prefill", "prefill-filter")):
-        for plugin in plugins:
-            copies.append({**plugin, "name": f"{side}-{plugin.get('name') or plugin['type']}"})
+        overrides = policy.pd_parameters.get(side, {})
+        for plugin, name in zip(plugins, names, strict=True):
+            copy = {**plugin, "name": f"{side}-{name}"}
+            if name in overrides:
+                copy["parameters"] = {**(plugin.get("parameters") or {}), **overrides[name]}
+            copies.append(copy)
         side_refs = [{**ref, "pluginRef": f"{side}-{ref['pluginRef']}"} for ref in refs]
         profiles_out.append({"name": side, "plugins": [{"pluginRef": role_filter}, *side_refs]})
     copies += [

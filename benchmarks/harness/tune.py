@@ -1240,6 +1240,11 @@ def _base(path: Path | None) -> tuple[dict[str, Any], str]:
     if path is None:
         return {}, "built-in default"
     policy = resolve_policy(f"base={path}")
+    if policy.pd_parameters:
+        raise UsageError(
+            f"--base {path}: pdParameters (per-side P/D parameters) are not tuned; "
+            "the tuner builds one parameter set for both sides; drop them from the base"
+        )
     policy.config(harness_registry())
     return dict(policy.document), str(path)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kv_picker.endpoint import EndpointSpec
 from kv_picker.errors import ConfigError
@@ -178,6 +179,67 @@ def test_pd_variant_gives_each_side_its_own_plugins() -> None:
         )
 
 
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text, encoding="utf-8")
+    return f"p={path}"
+
+
+PD_POLICY = """
+plugins:
+  - {type: prefix-cache-scorer, parameters: {maxPrefixBlocksToMatch: 64}}
+  - {type: queue-scorer}
+  - {type: max-score-picker}
+pdParameters:
+  decode:
+    prefix-cache-scorer: {lruCapacityPerServer: 1000}
+"""
+
+
+def test_pd_parameters_set_one_side_of_the_pd_variant_only(tmp_path: Path) -> None:
+    registry = harness_registry()
+    policy = resolve_policy(_write(tmp_path, PD_POLICY))
+    assert "pdParameters" not in policy.document
+    aggregated = {p.name: p.params for p in policy.config(registry).plugins}
+    default_lru = aggregated["prefix-cache-scorer"].lruCapacityPerServer
+    assert aggregated["prefix-cache-scorer"].maxPrefixBlocksToMatch == 64
+    assert default_lru != 1000
+    variant = {p.name: p.params for p in pd_variant(policy).config(registry).plugins}
+    decode, prefill = variant["decode-prefix-cache-scorer"], variant["prefill-prefix-cache-scorer"]
+    assert (decode.maxPrefixBlocksToMatch, decode.lruCapacityPerServer) == (64, 1000)
+    assert (prefill.maxPrefixBlocksToMatch, prefill.lruCapacityPerServer) == (64, default_lru)
+    assert variant["decode-queue-scorer"] == variant["prefill-queue-scorer"]
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ("pdParameters: [1]", "must map a side"),
+        ("pdParameters: {middle: {}}", "unknown side 'middle'"),
+        ("pdParameters: {decode: [1]}", "must map plugin names"),
+        ("pdParameters: {decode: {queue-scorer: {}}}", "non-empty mapping"),
+    ],
+)
+def test_malformed_pd_parameters_are_named(tmp_path: Path, section: str, message: str) -> None:
+    text = "plugins:\n  - {type: queue-scorer}\n  - {type: max-score-picker}\n" + section
+    with pytest.raises(ConfigError, match=message):
+        resolve_policy(_write(tmp_path, text))
+
+
+def test_pd_parameters_for_a_missing_plugin_fail_the_pd_variant(tmp_path: Path) -> None:
+    policy = resolve_policy(
+        _write(tmp_path, PD_POLICY.replace("prefix-cache-scorer: {lru", "kv-scorer: {lru"))
+    )
+    with pytest.raises(ConfigError, match="kv-scorer the policy does not have"):
+        pd_variant(policy)
+
+
+def test_the_service_does_not_take_the_harness_pd_key(tmp_path: Path) -> None:
+    document = yaml.safe_load(PD_POLICY)
+    with pytest.raises(ConfigError, match="pdParameters"):
+        Policy("raw", document).config(harness_registry())
+
+
 PROFILES = Path(__file__).parents[3] / "benchmarks" / "profiles"
 
 
@@ -202,6 +264,27 @@ def _one_changed_plugin(item: str, base_item: str) -> tuple[str, Any, Any]:
 def test_every_shipped_profile_builds(path: Path) -> None:
     profiles, plugins = _parsed(f"{path.stem}={path}")
     assert profiles and plugins
+    pd_config = pd_variant(resolve_policy(f"{path.stem}={path}")).config(harness_registry())
+    assert [p.name for p in pd_config.profiles] == ["decode", "prefill"]
+
+
+def test_the_pd_8k_profile_is_the_32k_one_aggregated_and_the_8k_one_under_pd() -> None:
+    registry = harness_registry()
+
+    def policy(name: str) -> Policy:
+        return resolve_policy(f"{name}={PROFILES / name}.yaml")
+
+    both = policy("calibrated-latency-15-full-yield-free-16-pd-8k")
+    aggregated = policy("calibrated-latency-15-full-yield-free-16")
+    pd_only = policy("calibrated-latency-15-decode-8k-full-yield-free-16")
+    assert both.config(registry).plugins == aggregated.config(registry).plugins
+
+    def pd(p: Policy) -> tuple[Any, Any]:
+        config = pd_variant(p).config(registry)
+        return config.plugins, config.profiles
+
+    assert pd(both) == pd(pd_only)
+    assert pd(both) != pd(aggregated)
 
 
 def test_the_saturated_candidate_is_the_built_in_default() -> None:

@@ -645,3 +645,17 @@ def test_tune_imports_no_other_command() -> None:
     assert graph.direct_import_exists(
         importer="kv_picker_bench.harness.tune", imported="kv_picker_bench.harness.args"
     )
+
+
+def test_a_base_with_per_side_pd_parameters_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "plugins:\n  - {type: queue-scorer}\n  - {type: max-score-picker}\n"
+        "pdParameters: {decode: {queue-scorer: {x: 1}}}\n"
+    )
+    argv = ["--trace", CHAT, *CLUSTER, "--trials", "1", "--workers", "1"]
+    assert run(*argv, "--out", str(tmp_path / "run"), "--base", str(base)) == 2
+    assert "pdParameters (per-side P/D parameters) are not tuned" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "report.json").exists()
