@@ -245,6 +245,12 @@ adds nothing there. The count is this worker's own picks. On the routing matrix'
 default's 21, fewer than ``prefillCalibration`` alone, with a worse worst throughput cell
 (``benchmarks/RESULTS.md`` section 1): the default does not set it.
 
+``blockingUnsaturated`` (false) counts the blocking cost only while ``saturatedMissCost``'s
+``q`` is 0. Past saturation every later request waits behind a miss's prefill wherever it
+lands, which ``saturatedMissCost`` already prices by the backlog; the arrivals the blocking
+term counts are among those requests, so the two together count their wait twice and keep
+requests on busy holders of hot prefixes when the pool is past its capacity.
+
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
 profile (list it before this scorer; without one nothing counts as cached); ``waiting`` is
@@ -267,7 +273,7 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
 ``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
 ``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10),
-``slotWait`` (uniform), ``slotColdAgeFactor`` (2).
+``blockingUnsaturated`` (false), ``slotWait`` (uniform), ``slotColdAgeFactor`` (2).
 """
 
 from __future__ import annotations
@@ -315,6 +321,7 @@ class PredictedLatencyParams:
     prefillCalibration: bool = False
     blockingCost: Annotated[float, NonNegative] = 0.0
     blockingWindowSeconds: Annotated[float, Positive] = 10.0
+    blockingUnsaturated: bool = False
     slotWait: Literal["uniform", "ages", "cold-ages"] = "uniform"
     slotColdAgeFactor: Annotated[float, NonNegative] = 2.0
 
@@ -482,12 +489,7 @@ class PredictedLatencyScorer:
             for i, endpoint in enumerate(candidates):
                 weights[i] += params.missCost * in_flight[endpoint.id]
         if params.saturatedMissCost:
-            queued = self._store.prefill_requests
-            counts = [queued[endpoint.id] for endpoint in candidates]
-            if params.saturatedQueue == "mean":
-                q = sum(counts) / len(counts) - params.saturatedAbove
-            else:
-                q = min(counts) - params.saturatedAbove
+            q = self.saturation(candidates)
             if q > 0:
                 for i in range(len(candidates)):
                     weights[i] += params.saturatedMissCost * q
@@ -498,6 +500,16 @@ class PredictedLatencyScorer:
         least = min(costs) if params.missExcess else 0.0
         for i, cost in enumerate(costs):
             predictions[i] += cost - least
+
+    def saturation(self, candidates: Sequence[Endpoint]) -> float:
+        """``q``: the prefills this picker queued on the candidates (the fewest, or their mean
+        under ``saturatedQueue: mean``) less ``saturatedAbove``; 0 or less below saturation."""
+        params = self.params
+        queued = self._store.prefill_requests
+        counts = [queued[endpoint.id] for endpoint in candidates]
+        if params.saturatedQueue == "mean":
+            return sum(counts) / len(counts) - params.saturatedAbove
+        return min(counts) - params.saturatedAbove
 
     def collect_metrics(self) -> Iterable[PluginGauge]:
         if self.params.prefillCalibration:
@@ -564,7 +576,9 @@ class PredictedLatencyScorer:
                 predictions[i] += decode_s - least
         if params.missCost or params.saturatedMissCost:
             self._add_miss_costs(request, candidates, predictions)
-        if params.blockingCost:
+        if params.blockingCost and not (
+            params.blockingUnsaturated and self.saturation(candidates) > 0
+        ):
             self._add_blocking_costs(request, candidates, predictions)
         best = min(predictions)
         for i, predicted in enumerate(predictions):

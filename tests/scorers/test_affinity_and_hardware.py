@@ -755,3 +755,39 @@ def test_predicted_latency_blocking_cost_prices_the_wait_of_requests_arriving_me
     newcomer = store.get(busy.id)
     assert newcomer is not None and newcomer is not busy
     assert scorer.arrival_rate(newcomer) == 0.0
+
+
+def test_predicted_latency_blocking_unsaturated_drops_the_blocking_cost_past_saturation() -> None:
+    # blockingUnsaturated counts the blocking cost only while saturatedMissCost's q is 0: past
+    # saturation that term prices the same wait by the backlog.
+    clock = ManualClock()
+    store = make_store(2, clock=clock)
+    busy, idle = store.all()
+    both = linear_latency(blockingCost=1.0, blockingUnsaturated=True, saturatedAbove=1)
+    scorer = PredictedLatencyScorer("p", both, make_context(store))
+    always = PredictedLatencyScorer(
+        "p", dataclasses.replace(both, blockingUnsaturated=False), make_context(store)
+    )
+    plain = PredictedLatencyScorer("p", linear_latency(saturatedAbove=1), make_context(store))
+    document = make_request("x" * 4 * 2000)  # 2,000 tokens cached nowhere: 2 s anywhere
+    for _ in range(10):
+        result = ProfileResult([busy], [busy], [1.0])
+        scorer.on_pick(make_request(), SchedulingResult("default", {"default": result}))
+        always.on_pick(make_request(), SchedulingResult("default", {"default": result}))
+    # No queue anywhere (q = 0 - 1): the busy endpoint adds 1.0 x 2^2 / 2 = 2 s, as without
+    # the option.
+    assert scorer.saturation([busy, idle]) == -1
+    assert scores(scorer, store, document) == pytest.approx([2.0 / 4.0, 1.0])
+    assert scores(always, store, document) == pytest.approx([2.0 / 4.0, 1.0])
+    # One prefill computing on each (q = 0): still unsaturated.
+    store.add_prefill(busy.id, 1000)
+    store.add_prefill(idle.id, 1000)
+    assert scorer.saturation([busy, idle]) == 0
+    assert scores(scorer, store, document) == pytest.approx(scores(always, store, document))
+    assert scores(scorer, store, document) != pytest.approx(scores(plain, store, document))
+    # A second one waiting on each (q = 1): the blocking cost is off, the plain estimate ranks.
+    store.add_prefill(busy.id, 1000)
+    store.add_prefill(idle.id, 1000)
+    assert scorer.saturation([busy, idle]) == 1
+    assert scores(scorer, store, document) == pytest.approx(scores(plain, store, document))
+    assert scores(always, store, document) != pytest.approx(scores(plain, store, document))
