@@ -249,7 +249,11 @@ default's 21, fewer than ``prefillCalibration`` alone, with a worse worst throug
 ``q`` is 0. Past saturation every later request waits behind a miss's prefill wherever it
 lands, which ``saturatedMissCost`` already prices by the backlog; the arrivals the blocking
 term counts are among those requests, so the two together count their wait twice and keep
-requests on busy holders of hot prefixes when the pool is past its capacity.
+requests on busy holders of hot prefixes when the pool is past its capacity. Both, at 1, over
+the calibrated estimate at weight 1.5 with the decode term from 8,192 tokens and the prefix
+scorer's ``fullYield``, were confirmed on draws 67-69 of the routing matrix by a rule written
+before they ran (``benchmarks/RESULTS.md`` section 1, "An eighth round"); the built-in default
+does not set them yet.
 
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same
