@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 import pytest
@@ -129,8 +130,16 @@ async def test_a_worker_past_the_memory_limit_is_recycled(tmp_path: Path) -> Non
             await asyncio.sleep(0.05)
         first = {w.index: w.process.pid for w in supervisor.workers if w.process}
         assert len(first) == 2
+
+        def replaced(worker: Any) -> bool:
+            # The count rises when the old process has exited; its replacement is being
+            # started (an await) until ``process`` names a new one.
+            process = worker.process
+            return process is not None and process.pid != first[worker.index]
+
         for _ in range(200):
-            if sum(w.recycles for w in supervisor.workers) >= 2:
+            done = [w for w in supervisor.workers if w.recycles]
+            if sum(w.recycles for w in done) >= 2 and all(replaced(w) for w in done):
                 break
             await asyncio.sleep(0.1)
         recycled = [w for w in supervisor.workers if w.recycles]
