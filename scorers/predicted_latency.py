@@ -482,21 +482,23 @@ class PredictedLatencyScorer:
         return self._scale
 
     def _add_miss_costs(
-        self, request: LLMRequest, candidates: Sequence[Endpoint], predictions: list[float]
+        self,
+        request: LLMRequest,
+        candidates: Sequence[Endpoint],
+        predictions: list[float],
+        q: float,
     ) -> None:
-        """missCost and saturatedMissCost, each candidate's in excess of the least with
-        missExcess."""
+        """missCost and saturatedMissCost (at saturation ``q``), each candidate's in excess of
+        the least with missExcess."""
         params = self.params
         weights = [0.0] * len(candidates)
         if params.missCost:
             in_flight = self._store.in_flight
             for i, endpoint in enumerate(candidates):
                 weights[i] += params.missCost * in_flight[endpoint.id]
-        if params.saturatedMissCost:
-            q = self.saturation(candidates)
-            if q > 0:
-                for i in range(len(candidates)):
-                    weights[i] += params.saturatedMissCost * q
+        if params.saturatedMissCost and q > 0:
+            for i in range(len(candidates)):
+                weights[i] += params.saturatedMissCost * q
         costs = [
             weight * self.own_work_s(request, endpoint) if weight else 0.0
             for weight, endpoint in zip(weights, candidates, strict=True)
@@ -578,11 +580,15 @@ class PredictedLatencyScorer:
             least = min(decodes)
             for i, decode_s in enumerate(decodes):
                 predictions[i] += decode_s - least
+        # saturatedMissCost's q, read once for both terms that use it.
+        q = (
+            self.saturation(candidates)
+            if params.saturatedMissCost or (params.blockingCost and params.blockingUnsaturated)
+            else 0.0
+        )
         if params.missCost or params.saturatedMissCost:
-            self._add_miss_costs(request, candidates, predictions)
-        if params.blockingCost and not (
-            params.blockingUnsaturated and self.saturation(candidates) > 0
-        ):
+            self._add_miss_costs(request, candidates, predictions, q)
+        if params.blockingCost and not (params.blockingUnsaturated and q > 0):
             self._add_blocking_costs(request, candidates, predictions)
         best = min(predictions)
         for i, predicted in enumerate(predictions):
