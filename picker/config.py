@@ -111,23 +111,27 @@ IGNORED_SECTIONS = (
 # The built-in default, chosen on the tuning families of the routing matrix
 # (`kv-picker bench matrix`; benchmarks/RESULTS.md names the split and gives the numbers):
 #
-# - predicted-latency-scorer (1): one estimate of time to first token per endpoint, from the
+# - predicted-latency-scorer (1.5): one estimate of time to first token per endpoint, from the
 #   prefill work queued there (tokens and attention, counted by the picker from the pick to the
 #   first byte), this prompt's uncached part, the engine's step and KV-read costs, the wait for a
 #   free sequence slot past maxNumSeqs (64: set it to the engines' --max-num-seqs), and the
-#   endpoint's hardware class; for a prompt of at least 32,768 tokens it also counts its first
-#   64 decode steps, each reading the KV in flight there, as what they exceed at the candidate
-#   where they are cheapest (decodeTokens, decodeMinPromptTokens, decodeExcess), so the endpoint
-#   holding a long context stops looking free once the contexts it already decodes slow its
-#   steps (without it, questions about long documents stayed with their holders at high load
-#   and output throughput fell to 0.72 of the best); once every candidate has prefills waiting
-#   behind the one it computes (saturatedAbove 1), a candidate that would compute more of the
-#   prompt than the best-cached one also pays 2 x the fewest waiting x those extra seconds
-#   (saturatedMissCost 2, missExcess): past saturation every later request waits for a prompt
-#   computed again, so a cached request stays with its holder unless the queues differ by more
-#   than that (chosen on draws 1-3 of the matrix, confirmed on draws 49-51 by the third rule
-#   written before they ran: 210 pooled cells against 209, TTFT mean 0.9925 of the default
-#   before it, output throughput unchanged);
+#   endpoint's hardware class, its prefill seconds scaled by the pool's own prefill speed as
+#   learned from the prefills the picker sees end (prefillCalibration: a 70B pool is ranked by
+#   its own speed, not an 8B model's); for a prompt of at least 8,192 tokens it also counts its
+#   first 64 decode steps, each reading the KV in flight there, as what they exceed at the
+#   candidate where they are cheapest (decodeTokens, decodeMinPromptTokens, decodeExcess), so
+#   the endpoint holding a long context stops looking free once the contexts it already decodes
+#   slow its steps (without it, questions about long documents stayed with their holders at
+#   high load and output throughput fell to 0.72 of the best); once every candidate has
+#   prefills waiting behind the one it computes (saturatedAbove 1), a candidate that would
+#   compute more of the prompt than the best-cached one also pays 2 x the fewest waiting x those
+#   extra seconds (saturatedMissCost 2, missExcess): past saturation every later request waits
+#   for a prompt computed again, so a cached request stays with its holder unless the queues
+#   differ by more than that; below saturation, a candidate also pays for the requests that
+#   will arrive there while it computes this prompt and wait behind it (blockingCost 1, from the
+#   rate of requests this picker sent there lately; blockingUnsaturated: past saturation the
+#   miss cost prices that wait already). Weight 1.5: its estimate decides between endpoints
+#   whose in-flight decode differs little;
 # - active-request-scorer (2), counting the prompt tokens in flight (the KV each decode step
 #   reads) per unit of the endpoint's decode speed: it spreads decode load, which decides TTFT
 #   once batches fill and which the TTFT estimate cannot see coming; below 8,192 tokens in
@@ -149,7 +153,11 @@ IGNORED_SECTIONS = (
 #   endpoint looked almost as slow there as anywhere else, so in-flight spreading moved it;
 #   with cappedMatchIsWhole, an endpoint matching all 2,048 blocks of a longer prompt counts as
 #   holding the whole prompt (a cached context is cached whole), where the rest of it used to
-#   count as uncached and overstated that endpoint's TTFT 3-25 times;
+#   count as uncached and overstated that endpoint's TTFT 3-25 times; with fullYield 64 (the
+#   engines' --max-num-seqs) a holder with every slot taken by this picker's requests scores 0
+#   while a candidate has 16 slots free (fullYieldFree): in a burst that fills a hot prefix's
+#   holders, a request waited there seconds for a slot where an endpoint with room computes the
+#   prefix again sooner;
 # - recent-work-scorer (0.5, idleShare 0.25): endpoints that computed under a quarter of the
 #   busiest candidate's prefill work over the last ~30 s score above 0, so at light load new
 #   contexts seed endpoints that would otherwise stay idle while sessions keep returning to the
@@ -160,6 +168,12 @@ IGNORED_SECTIONS = (
 #   requests about eleven times slower (on the matrix's mixed pool, 3.4% more output throughput
 #   over the cells of draws 19-21, judged by a rule written first; same on one class).
 #
+# The prefill calibration, the latency weight 1.5, the decode term from 8,192 tokens, fullYield and
+# the blocking cost joined it together, chosen on draws 58-66 of the matrix and confirmed on
+# draws 67-69 by a rule written before they ran (210 pooled cells against the default before it's
+# 205, TTFT mean 0.966 and p90 0.958 of its figures, its worst TTFT mean cell 1.54x the best
+# against 2.24x; profiles/calibrated-latency-15-decode-8k-full-yield-free-16-blocking-1-
+# unsaturated.yaml, the default before it profiles/saturated-above-2.yaml).
 # Before the slot term, in-flight spreading had weight 3: it was the only signal of an endpoint
 # whose slots were full, and it gave up cache hits on lightly loaded pools.
 # The previous default (prefix 3, queue 1, kv-utilization 1, active requests 1) piled every
@@ -168,18 +182,26 @@ IGNORED_SECTIONS = (
 DEFAULT_PLUGINS: tuple[Mapping[str, Any], ...] = (
     {
         "type": "prefix-cache-scorer",
-        "parameters": {"maxPrefixBlocksToMatch": 2048, "cappedMatchIsWhole": True},
+        "parameters": {
+            "maxPrefixBlocksToMatch": 2048,
+            "cappedMatchIsWhole": True,
+            "fullYield": 64,
+            "fullYieldFree": 16,
+        },
     },
     {
         "type": "predicted-latency-scorer",
         "parameters": {
             "maxNumSeqs": 64,
             "decodeTokens": 64,
-            "decodeMinPromptTokens": 32768,
+            "decodeMinPromptTokens": 8192,
             "decodeExcess": True,
             "saturatedMissCost": 2,
             "missExcess": True,
             "saturatedAbove": 1,
+            "prefillCalibration": True,
+            "blockingCost": 1,
+            "blockingUnsaturated": True,
         },
     },
     {
@@ -199,7 +221,7 @@ DEFAULT_PROFILE: Mapping[str, Any] = {
     "name": "default",
     "plugins": [
         {"pluginRef": "prefix-cache-scorer", "weight": 1},
-        {"pluginRef": "predicted-latency-scorer", "weight": 1},
+        {"pluginRef": "predicted-latency-scorer", "weight": 1.5},
         {"pluginRef": "active-request-scorer", "weight": 2},
         {"pluginRef": "recent-work-scorer", "weight": 0.5},
         {"pluginRef": "max-score-picker"},

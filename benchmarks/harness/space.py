@@ -84,10 +84,15 @@ DEFAULT_SPACE = """\
 # as does recent-work-scorer's decodeSpeedScaled, which seeds slow idle endpoints less;
 # predicted-latency-scorer's decodeTokens trades time to first token for spreading the decode of
 # long contexts, for prompts past decodeMinPromptTokens, counted in excess of the cheapest
-# candidate's with decodeExcess (the default: 64 tokens from 32,768, in excess), its
+# candidate's with decodeExcess (the default: 64 tokens from 8,192, in excess), its
 # saturatedMissCost prices a miss once every endpoint has a queue (in excess of the best-cached
 # candidate's with missExcess, counting only the requests waiting behind the prefill in progress
-# with saturatedAbove 1; the default: 2, in excess, above 1); prefix-cache-scorer's maxPrefixBlocksToMatch above the default's 2048 lets the
+# with saturatedAbove 1; the default: 2, in excess, above 1), its prefillCalibration ranks a pool
+# by its own measured prefill speed, its blockingCost prices the requests that will wait behind
+# this prompt's prefill (only below saturation with blockingUnsaturated; the default: 1, on, on);
+# prefix-cache-scorer's fullYieldFree sets how many free slots a candidate needs before a full
+# holder yields to it (its fullYield stays the base's: it is the engines' --max-num-seqs, a fact
+# of the deployment, not a choice); its maxPrefixBlocksToMatch above the default's 2048 lets the
 # latency estimate see long cached documents whole, which keeps their questions with them, and
 # its cappedMatchIsWhole does so without hashing further, counting a match that reached the limit
 # as the whole prompt).
@@ -121,6 +126,10 @@ dimensions:
 - {plugin: predicted-latency-scorer, parameter: saturatedMissCost, choices: [0, 1, 2, 4]}
 - {plugin: predicted-latency-scorer, parameter: missExcess, choices: [false, true]}
 - {plugin: predicted-latency-scorer, parameter: saturatedAbove, choices: [0, 1, 2]}
+- {plugin: predicted-latency-scorer, parameter: prefillCalibration, choices: [true, false]}
+- {plugin: predicted-latency-scorer, parameter: blockingCost, choices: [0, 0.5, 1, 2]}
+- {plugin: predicted-latency-scorer, parameter: blockingUnsaturated, choices: [true, false]}
+- {plugin: prefix-cache-scorer, parameter: fullYieldFree, choices: [1, 4, 16, 32]}
 - {plugin: active-request-scorer, parameter: ownDecode, choices: [true, false]}
 - {plugin: active-request-scorer, parameter: promptScale, choices: [0, 1, 2, 4, 8]}
 - {plugin: active-request-scorer, parameter: cachedScale, choices: [0, 1, 2, 4, 8]}

@@ -62,7 +62,7 @@ def test_empty_config_is_the_builtin_default() -> None:
         "max-score-picker",
     ]
     weights = [entry.weight for entry in config.profiles[0].entries[:4]]
-    assert weights == [1, 1, 2, 0.5]
+    assert weights == [1, 1.5, 2, 0.5]
     (recent,) = [p for p in config.plugins if p.type == "recent-work-scorer"]
     assert recent.params.idleShare == 0.25
     assert recent.params.decodeSpeedScaled is True

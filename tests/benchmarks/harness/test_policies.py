@@ -287,18 +287,41 @@ def test_the_pd_8k_profile_is_the_32k_one_aggregated_and_the_8k_one_under_pd() -
     assert pd(both) != pd(aggregated)
 
 
-def test_the_saturated_candidate_is_the_built_in_default() -> None:
-    # The stored judgements of the candidate (results/candidates/saturated-above/ and
-    # saturated-pending-yield/) are the present default's: the file must not drift from it. It is
-    # the default before it (seeding-decode-scaled.yaml) with saturatedAbove 1 on
-    # saturated-miss-excess-2.yaml's latency estimate (test_the_one_option_candidates_...); the
-    # default before that (decode-excess-64.yaml) is it without decodeSpeedScaled, and so on back
-    # to capped-whole.yaml, which is cached-scale-2.yaml with cappedMatchIsWhole.
-    assert _parsed(f"s={PROFILES / 'saturated-above-2.yaml'}") == _parsed("kv-picker")
-    assert _parsed(f"p={PROFILES / 'seeding-decode-scaled.yaml'}") != _parsed("kv-picker")
-    kind, before, after = _one_changed_plugin(
-        "kv-picker", f"p={PROFILES / 'seeding-decode-scaled.yaml'}"
-    )
+def test_the_confirmed_candidate_is_the_built_in_default() -> None:
+    # The stored judgements of the candidate (results/candidates/blocking-decode-8k/) are the
+    # present default's: the file must not drift from it. It is the default before it
+    # (saturated-above-2.yaml) with the prefix scorer's fullYield and the latency estimate's
+    # calibration, weight, decode threshold and blocking cost, and nothing else; that one is
+    # seeding-decode-scaled.yaml with saturatedAbove 1 on saturated-miss-excess-2.yaml's latency
+    # estimate (test_the_one_option_candidates_...); the default before that
+    # (decode-excess-64.yaml) is it without decodeSpeedScaled, and so on back to
+    # capped-whole.yaml, which is cached-scale-2.yaml with cappedMatchIsWhole.
+    confirmed = PROFILES / "calibrated-latency-15-decode-8k-full-yield-free-16-blocking-1-unsaturated.yaml"
+    assert _parsed(f"c={confirmed}") == _parsed("kv-picker")
+    previous = f"s={PROFILES / 'saturated-above-2.yaml'}"
+    assert _parsed(previous) != _parsed("kv-picker")
+    (profile,), plugins = _parsed("kv-picker")
+    (before_profile,), before_plugins = _parsed(previous)
+    weights = {e.plugin_ref: e.weight for e in profile.entries}
+    before_weights = {e.plugin_ref: e.weight for e in before_profile.entries}
+    assert {k: v for k, v in weights.items() if before_weights[k] != v} == {
+        "predicted-latency-scorer": 1.5
+    }
+    changed = {
+        b[1]: {f: getattr(b[2], f) for f in vars(b[2]) if getattr(a[2], f) != getattr(b[2], f)}
+        for a, b in zip(before_plugins, plugins, strict=True)
+        if a != b
+    }
+    assert changed == {
+        "prefix-cache-scorer": {"fullYield": 64, "fullYieldFree": 16},
+        "predicted-latency-scorer": {
+            "decodeMinPromptTokens": 8192,
+            "prefillCalibration": True,
+            "blockingCost": 1.0,
+            "blockingUnsaturated": True,
+        },
+    }
+    kind, before, after = _one_changed_plugin(previous, f"p={PROFILES / 'seeding-decode-scaled.yaml'}")
     saturated = {"saturatedMissCost": 2.0, "missExcess": True, "saturatedAbove": 1}
     assert kind == "predicted-latency-scorer"
     assert replace(before, **saturated) == after != before

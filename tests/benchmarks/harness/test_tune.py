@@ -147,11 +147,15 @@ def test_the_default_space_starts_from_the_built_in_default() -> None:
     assert "queue-scorer.weight" not in space.base_values
     assert space.base_values["active-request-scorer.ownDecode"] is True
     assert space.base_values["predicted-latency-scorer.decodeTokens"] == 64
-    assert space.base_values["predicted-latency-scorer.decodeMinPromptTokens"] == 32768
+    assert space.base_values["predicted-latency-scorer.decodeMinPromptTokens"] == 8192
     assert space.base_values["predicted-latency-scorer.decodeExcess"] is True
     assert space.base_values["predicted-latency-scorer.saturatedMissCost"] == 2
     assert space.base_values["predicted-latency-scorer.missExcess"] is True
     assert space.base_values["predicted-latency-scorer.saturatedAbove"] == 1
+    assert space.base_values["predicted-latency-scorer.prefillCalibration"] is True
+    assert space.base_values["predicted-latency-scorer.blockingCost"] == 1
+    assert space.base_values["predicted-latency-scorer.blockingUnsaturated"] is True
+    assert space.base_values["prefix-cache-scorer.fullYieldFree"] == 16
     assert space.base_values["prefix-cache-scorer.cappedMatchIsWhole"] is True
     assert space.base_values["active-request-scorer.promptScale"] == 0
     assert space.base_values["active-request-scorer.cachedScale"] == 2
