@@ -72,11 +72,12 @@ choice to the other scorers even where no endpoint is busy; in excess, an idle p
 nothing and a holder pays only for the decode it already runs. Over every prompt, the excess
 moves requests off endpoints holding hot short prefixes, which then prefill them again
 elsewhere (``decodeTokens: 150`` on the routing matrix's tuning families, draws 1-3: 108 cells
-against the default's 123). The built-in default sets ``decodeTokens: 64``,
-``decodeMinPromptTokens: 32768`` (the prefix match's 2,048 blocks: a longer context held whole
-looks free with the prefix scorer's ``cappedMatchIsWhole``) and ``decodeExcess``. Chosen on
-draws 1-3 of the routing matrix and confirmed on draws 16-18, which no choice had seen, by a rule
-written before they ran (``benchmarks/RESULTS.md`` section 1).
+against the default's 123). The built-in default sets ``decodeTokens: 64`` and
+``decodeExcess``, chosen on draws 1-3 of the routing matrix and confirmed on draws 16-18, which no
+choice had seen, by a rule written before they ran (``benchmarks/RESULTS.md`` section 1), from
+``decodeMinPromptTokens: 32768`` then (the prefix match's 2,048 blocks: a longer context held
+whole looks free with the prefix scorer's ``cappedMatchIsWhole``) and from 8,192 since the
+calibrated estimate at weight 1.5 joined it (confirmed on draws 67-69, below).
 
 ``missCost`` (0: off) prices what a request's uncached prompt costs the requests already on
 the endpoint. Every one of them waits while it is computed: a queued request starts that much
@@ -225,7 +226,9 @@ endpoints, the default's 1.14x). With this scorer's weight raised from 1 to 1.5 
 against the default's 205 on draws 58-60, which no choice had seen, with a 1.1% lower TTFT
 mean, 2.7% lower p90 and 5.5% higher throughput, and was not confirmed: its worst TTFT mean
 cell (an overloaded mixed H100/A100/L4 pool with shared prefixes, which the default fails too)
-was 1.38x the best against the default's worst of 1.19x. The built-in default does not set it.
+was 1.38x the best against the default's worst of 1.19x. With the blocking cost below and the
+prefix scorer's ``fullYield`` it was confirmed on draws 67-69; the built-in default sets it, with
+this scorer at weight 1.5 and ``decodeMinPromptTokens`` 8,192, since then.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
@@ -243,7 +246,8 @@ endpoint whose hot context draws most of them; a question about a context one en
 adds nothing there. The count is this worker's own picks. On the routing matrix's
 ``long-doc-qa`` family (draws 1-3, policy seed 0) at 1 it passed 23 pooled cells against the
 default's 21, fewer than ``prefillCalibration`` alone, with a worse worst throughput cell
-(``benchmarks/RESULTS.md`` section 1): the default does not set it.
+(``benchmarks/RESULTS.md`` section 1): the default of that time did not set it (see
+``blockingUnsaturated`` for the one it sets).
 
 ``blockingUnsaturated`` (false) counts the blocking cost only while ``saturatedMissCost``'s
 ``q`` is 0. Past saturation every later request waits behind a miss's prefill wherever it
@@ -252,8 +256,8 @@ term counts are among those requests, so the two together count their wait twice
 requests on busy holders of hot prefixes when the pool is past its capacity. Both, at 1, over
 the calibrated estimate at weight 1.5 with the decode term from 8,192 tokens and the prefix
 scorer's ``fullYield``, were confirmed on draws 67-69 of the routing matrix by a rule written
-before they ran (``benchmarks/RESULTS.md`` section 1, "An eighth round"); the built-in default
-does not set them yet.
+before they ran (``benchmarks/RESULTS.md`` section 1, "An eighth round"), and the built-in
+default sets ``blockingCost`` 1 with ``blockingUnsaturated`` since then.
 
 How the inputs are measured: prompt tokens are exact when a tokenizer ran, otherwise the
 prompt's characters / ``charsPerToken``; cached tokens come from the prefix scorer of the same

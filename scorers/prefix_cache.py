@@ -78,12 +78,14 @@ took the calibrated profile at latency weight 1.5 from a worst TTFT mean cell of
 (a burst on a mixed pool) to 1.21x with 220 pooled cells against the default's 205; on the
 fresh draws 61-63 that profile passed 215 against 213 with a lower TTFT mean, but its worst TTFT
 mean cell was 1.33x the best where the default's is 1.09x, and with the default alone it raised
-the TTFT mean (``benchmarks/RESULTS.md`` section 1): the default does not set it. With
+the TTFT mean (``benchmarks/RESULTS.md`` section 1): not set alone. With
 ``fullYieldFree`` 16 that profile kept its gains on both draw sets without the failing cell,
 found after both were read; on the fresh draws 64-66 it passed 222 pooled cells against 216
 with a lower TTFT mean and was not confirmed: a worst TTFT mean cell of 1.51x the best against
 the default's 1.47x (long documents at light load, where its decode term from 8,192 prompt
-tokens moves questions off their document's holder).
+tokens moves questions off their document's holder). With the latency estimate's blocking cost
+below saturation it was confirmed on draws 67-69 (``benchmarks/RESULTS.md`` section 1, "An
+eighth round"); the built-in default sets ``fullYield`` 64 with ``fullYieldFree`` 16 since then.
 """
 
 from __future__ import annotations
