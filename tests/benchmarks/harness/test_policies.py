@@ -296,7 +296,9 @@ def test_the_confirmed_candidate_is_the_built_in_default() -> None:
     # estimate (test_the_one_option_candidates_...); the default before that
     # (decode-excess-64.yaml) is it without decodeSpeedScaled, and so on back to
     # capped-whole.yaml, which is cached-scale-2.yaml with cappedMatchIsWhole.
-    confirmed = PROFILES / "calibrated-latency-15-decode-8k-full-yield-free-16-blocking-1-unsaturated.yaml"
+    confirmed = (
+        PROFILES / "calibrated-latency-15-decode-8k-full-yield-free-16-blocking-1-unsaturated.yaml"
+    )
     assert _parsed(f"c={confirmed}") == _parsed("kv-picker")
     previous = f"s={PROFILES / 'saturated-above-2.yaml'}"
     assert _parsed(previous) != _parsed("kv-picker")
@@ -321,7 +323,9 @@ def test_the_confirmed_candidate_is_the_built_in_default() -> None:
             "blockingUnsaturated": True,
         },
     }
-    kind, before, after = _one_changed_plugin(previous, f"p={PROFILES / 'seeding-decode-scaled.yaml'}")
+    kind, before, after = _one_changed_plugin(
+        previous, f"p={PROFILES / 'seeding-decode-scaled.yaml'}"
+    )
     saturated = {"saturatedMissCost": 2.0, "missExcess": True, "saturatedAbove": 1}
     assert kind == "predicted-latency-scorer"
     assert replace(before, **saturated) == after != before
