@@ -158,7 +158,9 @@ clock is not the engine's: with constants faster than the engine's, the queue lo
 knowledge: while only other workers' requests are queued, nothing comes off. On the routing
 matrix's tuning families (draws 1-3) it passed fewer cells than the default at both values
 tried (117 at 1 and 114 at 0.5, against 123; ``benchmarks/RESULTS.md`` section 1, losing
-mostly on hot shared prefixes): the default does not set it.
+mostly on hot shared prefixes): the default does not set it. Measured again over the calibrated
+default of today, at a quarter it lowered TTFT by 0.6-0.8% on draws 1-3 and not on draws 61-63,
+passing fewer cells with a worse worst cell on both, and is still not set.
 
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
@@ -230,6 +232,23 @@ was 1.38x the best against the default's worst of 1.19x. With the blocking cost 
 prefix scorer's ``fullYield`` it was confirmed on draws 67-69; the built-in default sets it, with
 this scorer at weight 1.5 and ``decodeMinPromptTokens`` 8,192, since then.
 
+``calibrationMinTokens`` (4,096) is the fewest uncached tokens a prefill needs to be a sample.
+Where prompts are shorter (llm-d's shared-prefix shape: 3,000-token prompts, 2,600 of them a
+group's shared prefix) no prefill qualifies and the estimate keeps the 8B constants: a 70B pool
+at tensor parallel 4 then prices a miss at a third of its cost (0.08 s predicted for a
+3,185-token prefill that takes 0.24 s), and the other scorers move requests off the endpoints
+holding their group's prefix for what looks like nothing. A lower value lets the shorter
+prefills calibrate it; the store keeps samples down to the lowest value any scorer asks for, and
+each scorer reads only those at or above its own. ``calibrationSteps`` (off) takes the engine
+steps a sample's prefill took, priced as the estimate prices them (``ceil(tokens /
+chunkTokens) * step_s`` with the prompt tokens then in flight on its endpoint), off its measured
+seconds, since the factor scales the prefill's compute and not the steps: without it a short
+prefill's step overhead reads as slow compute. Both at 1,024 tokens over the default (draws 1-3,
+policy seed 0) lowered TTFT on the tuning families (0.9% on the mean, 1.5% on p90) with a new
+worst cell, and held out passed 6 pooled cells fewer: one factor for every prompt length,
+learned mostly from short prompts, misprices long ones (``benchmarks/RESULTS.md`` section 1).
+Neither is set by the default.
+
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
 request sent to ``e`` while it runs waits for it. With ``rate(e)`` the requests this picker
@@ -280,7 +299,8 @@ no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
 ``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
 ``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
-``prefillCalibration`` (false), ``blockingCost`` (0), ``blockingWindowSeconds`` (10),
+``prefillCalibration`` (false), ``calibrationMinTokens`` (4096), ``calibrationSteps`` (false),
+``blockingCost`` (0), ``blockingWindowSeconds`` (10),
 ``blockingUnsaturated`` (false), ``slotWait`` (uniform), ``slotColdAgeFactor`` (2).
 """
 
@@ -327,6 +347,8 @@ class PredictedLatencyParams:
     ownWaitingAtScrape: bool = False
     queueProgress: Annotated[float, Range(ge=0.0, le=1.0)] = 0.0
     prefillCalibration: bool = False
+    calibrationMinTokens: Annotated[int, Range(ge=1)] = 4096
+    calibrationSteps: bool = False
     blockingCost: Annotated[float, NonNegative] = 0.0
     blockingWindowSeconds: Annotated[float, Positive] = 10.0
     blockingUnsaturated: bool = False
@@ -350,6 +372,10 @@ class PredictedLatencyScorer:
         read = params.kvReadTokensPerSecond
         self._read_s = 1.0 / read if read > 0 else 0.0
         self._clock = ctx.clock
+        if params.prefillCalibration:
+            # The store keeps samples of at least its floor's tokens; ask for shorter ones.
+            floor = ctx.store.prefill_sample_min_tokens
+            ctx.store.prefill_sample_min_tokens = min(floor, params.calibrationMinTokens)
         self._scale = 1.0  # prefillCalibration's factor on prefill seconds
         self._scale_count = -1  # the store's sample count it was computed at
         # endpoint id -> (the endpoint, its decayed count of picks, when last counted)
@@ -472,15 +498,23 @@ class PredictedLatencyScorer:
         store = self._store
         if store.prefill_sample_count != self._scale_count:
             self._scale_count = store.prefill_sample_count
-            samples = store.prefill_samples
+            params = self.params
+            least = params.calibrationMinTokens
+            samples = [s for s in store.prefill_samples if s.tokens >= least]
             if len(samples) >= CALIBRATION_MIN_SAMPLES:
                 measured = estimated = 0.0
                 of = self._hardware.of
                 for sample in samples:
+                    hardware = of(sample.endpoint.labels)
                     measured += sample.seconds
-                    estimated += (sample.tokens * self._token_s + sample.pairs * self._pair_s) / (
-                        of(sample.endpoint.labels).prefill_speed
-                    )
+                    if params.calibrationSteps:
+                        # The steps it took, as the estimate counts them: not prefill compute.
+                        steps = math.ceil(sample.tokens / params.chunkTokens)
+                        step_s = params.stepSeconds + sample.in_flight_tokens * self._read_s
+                        measured -= steps * step_s / hardware.decode_speed
+                    estimated += (
+                        sample.tokens * self._token_s + sample.pairs * self._pair_s
+                    ) / hardware.prefill_speed
                 if estimated > 0.0:
                     self._scale = min(max(measured / estimated, SCALE_MIN), SCALE_MAX)
         return self._scale

@@ -40,9 +40,10 @@ ready:     True       True       False      last scrape succeeded
 ```
 
 Besides the arrays, ``prefill_samples`` keeps the last ``PREFILL_SAMPLES`` prefills this picker
-saw end with a first response byte, of at least ``PREFILL_SAMPLE_MIN_TOKENS`` uncached tokens
-each: the endpoint, the tokens, their attention work, and the seconds from the request's
-reaching the head of the queue (``prefill_head_s``) to that byte. ``prefill_sample_count``
+saw end with a first response byte, of at least ``prefill_sample_min_tokens`` uncached tokens
+each (``PREFILL_SAMPLE_MIN_TOKENS`` unless a reader lowers it): the endpoint, the tokens, their
+attention work, the seconds from the request's reaching the head of the queue
+(``prefill_head_s``) to that byte, and the prompt tokens then in flight there. ``prefill_sample_count``
 counts every sample ever kept, so a reader can tell when they changed.
 """
 
@@ -73,6 +74,9 @@ class PrefillSample:
     tokens: float
     pairs: float
     seconds: float
+    in_flight_tokens: float = 0.0
+    """The prompt tokens in flight on the endpoint when it ended: the KV its engine's steps
+    read meanwhile, so a reader can tell the steps' time from the prompt's compute."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,6 +157,8 @@ class EndpointStore:
         self.num_gpu_blocks: list[int] = []
         self.lora: list[LoraState | None] = []
         self.prefill_samples: deque[PrefillSample] = deque(maxlen=PREFILL_SAMPLES)
+        # A reader may lower it (predicted-latency-scorer's calibrationMinTokens).
+        self.prefill_sample_min_tokens: float = PREFILL_SAMPLE_MIN_TOKENS
         self.prefill_sample_count = 0
         self._free_ids: list[EndpointId] = []
         self._on_removed: list[Callable[[EndpointId], None]] = []
@@ -397,14 +403,18 @@ class EndpointStore:
 
         ``observed``: the picker saw its first byte now, so the time since it reached the head
         of the queue is its prefill's (kept in :attr:`prefill_samples` when it computed at
-        least ``PREFILL_SAMPLE_MIN_TOKENS`` tokens). The engine serves its queue in order, so the
+        least ``prefill_sample_min_tokens`` tokens). The engine serves its queue in order, so the
         request that ends is the one at the head."""
         head_s = self.prefill_head_s[endpoint_id]
-        if observed and head_s >= 0.0 and tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+        if observed and head_s >= 0.0 and tokens >= self.prefill_sample_min_tokens:
             endpoint = self.endpoints[endpoint_id]
             if endpoint is not None:
                 seconds = max(0.0, self._clock() - head_s)
-                self.prefill_samples.append(PrefillSample(endpoint, tokens, pairs, seconds))
+                self.prefill_samples.append(
+                    PrefillSample(
+                        endpoint, tokens, pairs, seconds, self.in_flight_tokens[endpoint_id]
+                    )
+                )
                 self.prefill_sample_count += 1
         self.prefill_tokens[endpoint_id] = max(0.0, self.prefill_tokens[endpoint_id] - tokens)
         self.prefill_requests[endpoint_id] = max(0, self.prefill_requests[endpoint_id] - 1)

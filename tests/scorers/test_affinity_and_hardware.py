@@ -389,6 +389,9 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("queueProgress", 1.5),
         ("queueProgress", "half"),
         ("prefillCalibration", "yes please"),
+        ("calibrationMinTokens", 0),
+        ("calibrationMinTokens", 1.5),
+        ("calibrationSteps", "some"),
         ("blockingCost", -1),
         ("blockingWindowSeconds", 0),
         ("slotWait", "oldest"),
@@ -711,6 +714,47 @@ def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_pr
     for _ in range(PREFILL_SAMPLES):
         observe(h100, 5000.0, 0.01)
     assert learned.prefill_scale() == 0.25
+
+
+def test_predicted_latency_calibration_from_shorter_prefills_and_without_their_steps() -> None:
+    # calibrationMinTokens lowers the shortest prefill kept as a sample (the store's floor,
+    # 4,096 tokens by default: a pool of 3,000-token prompts otherwise never calibrates), and
+    # a scorer sharing the store with the default minimum still reads only the longer ones.
+    # calibrationSteps takes the engine steps the prefill took, as the estimate prices them,
+    # off its measured seconds: the factor is then the prompt's compute alone.
+    clock = ManualClock()
+    store = make_store(1, clock=clock)
+    (h100,) = store.all()
+    params = linear_latency(stepSeconds=0.05, kvReadTokensPerSecond=100_000, chunkTokens=1000,
+                            prefillCalibration=True)  # fmt: skip
+    default = PredictedLatencyScorer("p", params, make_context(store))
+    assert store.prefill_sample_min_tokens == 4096  # the default leaves the floor
+    short = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, calibrationMinTokens=1000), make_context(store)
+    )
+    steps = PredictedLatencyScorer(
+        "p",
+        dataclasses.replace(params, calibrationMinTokens=1000, calibrationSteps=True),
+        make_context(store),
+    )
+    assert store.prefill_sample_min_tokens == 1000
+    store.in_flight_tokens[h100.id] = 5000.0  # each step: 0.05 s + 5,000 tokens at 100,000/s
+
+    def observe(tokens: float, seconds: float) -> None:
+        store.add_prefill(h100.id, tokens)
+        clock.advance(seconds)
+        store.prefill_done(h100.id, tokens, observed=True)
+
+    for _ in range(4):
+        observe(2000.0, 6.2)  # 2 s of work at the constants, two steps of 0.1 s: 3x the work
+    assert default.prefill_scale() == 1.0  # none long enough for it
+    assert short.prefill_scale() == pytest.approx(3.1)
+    assert steps.prefill_scale() == pytest.approx(3.0)
+    for _ in range(4):
+        observe(5000.0, 15.5)  # five steps: 0.5 s of them
+    assert default.prefill_scale() == pytest.approx(3.1)
+    assert short.prefill_scale() == pytest.approx((4 * 6.2 + 4 * 15.5) / (4 * 2 + 4 * 5))
+    assert steps.prefill_scale() == pytest.approx(3.0)
 
 
 def test_predicted_latency_blocking_cost_prices_the_wait_of_requests_arriving_meanwhile() -> None:

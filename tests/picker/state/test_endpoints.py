@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kv_picker.endpoint import Endpoint, EndpointId, EndpointSpec
@@ -91,3 +92,22 @@ def test_an_observed_prefill_is_kept_with_its_time_at_the_head_of_the_queue() ->
     assert len(store.prefill_samples) == PREFILL_SAMPLES
     assert store.prefill_sample_count == PREFILL_SAMPLES + 2
     assert all(s.endpoint is second for s in store.prefill_samples)
+
+
+def test_a_sample_records_the_prompt_tokens_in_flight_and_a_reader_may_lower_the_floor() -> None:
+    clock = ManualClock()
+    store = EndpointStore(clock)
+    store.set_endpoints([EndpointSpec("10.0.0.1:8000")])
+    (endpoint,) = store.all()
+    store.in_flight_tokens[endpoint.id] = 30_000.0  # the KV its steps read meanwhile
+    store.add_prefill(endpoint.id, 2000.0)
+    clock.advance(0.5)
+    store.prefill_done(endpoint.id, 2000.0, observed=True)
+    assert store.prefill_samples == deque()  # under the floor of 4,096 tokens
+    store.prefill_sample_min_tokens = 1024
+    store.add_prefill(endpoint.id, 2000.0)
+    clock.advance(0.5)
+    store.prefill_done(endpoint.id, 2000.0, observed=True)
+    assert [(s.tokens, s.seconds, s.in_flight_tokens) for s in store.prefill_samples] == [
+        (2000.0, 0.5, 30_000.0)
+    ]
