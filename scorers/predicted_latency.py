@@ -233,21 +233,22 @@ prefix scorer's ``fullYield`` it was confirmed on draws 67-69; the built-in defa
 this scorer at weight 1.5 and ``decodeMinPromptTokens`` 8,192, since then.
 
 ``calibrationMinTokens`` (4,096) is the fewest uncached tokens a prefill needs to be a sample.
-Where prompts are shorter (llm-d's shared-prefix shape: 3,000-token prompts, 2,600 of them a
-group's shared prefix) no prefill qualifies and the estimate keeps the 8B constants: a 70B pool
-at tensor parallel 4 then prices a miss at a third of its cost (0.08 s predicted for a
+Where prompts are shorter (llm-d's shared-prefix shape: prompts of 2,400-3,200 tokens, most of
+them a group's shared prefix) no prefill qualifies and the estimate keeps the 8B constants: a
+70B pool at tensor parallel 4 then prices a miss at a third of its cost (0.08 s predicted for a
 3,185-token prefill that takes 0.24 s), and the other scorers move requests off the endpoints
 holding their group's prefix for what looks like nothing. A lower value lets the shorter
-prefills calibrate it; the store keeps samples down to the lowest value any scorer asks for, and
-each scorer reads only those at or above its own. ``calibrationSteps`` (off) takes the engine
-steps a sample's prefill took, priced as the estimate prices them (``ceil(tokens /
-chunkTokens) * step_s`` with the prompt tokens then in flight on its endpoint), off its measured
-seconds, since the factor scales the prefill's compute and not the steps: without it a short
-prefill's step overhead reads as slow compute. Both at 1,024 tokens over the default (draws 1-3,
-policy seed 0) lowered TTFT on the tuning families (0.9% on the mean, 1.5% on p90) with a new
-worst cell, and held out passed 6 pooled cells fewer: one factor for every prompt length,
-learned mostly from short prompts, misprices long ones (``benchmarks/RESULTS.md`` section 1).
-Neither is set by the default.
+prefills calibrate it. The store keeps samples down to the lowest value any scorer has asked
+for since the service started (a reload does not raise it again), and each scorer reads only
+those at or above its own. ``calibrationSteps`` (off) takes the engine steps a sample's prefill
+took, priced as the estimate prices them (``ceil(tokens / chunkTokens) * step_s`` with the
+prompt tokens then in flight on its endpoint), off its measured seconds, since the factor
+scales the prefill's compute and not the steps: without it a short prefill's step overhead
+reads as slow compute. Both at 1,024 tokens over the default (draws 1-3, policy seed 0) lowered
+TTFT on the tuning families (0.9% on the mean, 1.5% on p90) with a new worst cell, and held out
+passed 6 pooled cells fewer: one factor for every prompt length, learned mostly from short
+prompts, misprices long ones (``benchmarks/RESULTS.md`` section 1). Neither is set by the
+default.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
