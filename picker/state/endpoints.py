@@ -43,8 +43,8 @@ Besides the arrays, ``prefill_samples`` keeps the last ``PREFILL_SAMPLES`` prefi
 saw end with a first response byte, of at least ``prefill_sample_min_tokens`` uncached tokens
 each (``PREFILL_SAMPLE_MIN_TOKENS`` unless a reader lowers it): the endpoint, the tokens, their
 attention work, the seconds from the request's reaching the head of the queue
-(``prefill_head_s``) to that byte, and the prompt tokens then in flight there. ``prefill_sample_count``
-counts every sample ever kept, so a reader can tell when they changed.
+(``prefill_head_s``) to that byte, and the prompt tokens then in flight there.
+``prefill_sample_count`` counts every sample ever kept, so a reader can tell when they changed.
 """
 
 from __future__ import annotations
