@@ -77,6 +77,9 @@ class PrefillSample:
     in_flight_tokens: float = 0.0
     """The prompt tokens in flight on the endpoint when it ended: the KV its engine's steps
     read meanwhile, so a reader can tell the steps' time from the prompt's compute."""
+    ended_s: float = 0.0
+    """When it ended (the store's clock): prefills an engine finished in one step end
+    together, the later ones timed at about nothing since the first."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -409,10 +412,15 @@ class EndpointStore:
         if observed and head_s >= 0.0 and tokens >= self.prefill_sample_min_tokens:
             endpoint = self.endpoints[endpoint_id]
             if endpoint is not None:
-                seconds = max(0.0, self._clock() - head_s)
+                now = self._clock()
                 self.prefill_samples.append(
                     PrefillSample(
-                        endpoint, tokens, pairs, seconds, self.in_flight_tokens[endpoint_id]
+                        endpoint,
+                        tokens,
+                        pairs,
+                        max(0.0, now - head_s),
+                        self.in_flight_tokens[endpoint_id],
+                        now,
                     )
                 )
                 self.prefill_sample_count += 1

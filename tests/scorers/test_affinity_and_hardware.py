@@ -12,7 +12,11 @@ from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.hardware_class import HardwareClassParams, HardwareClassScorer
 from kv_picker.scorers.load_aware import LoadAwareParams, LoadAwareScorer
 from kv_picker.scorers.lora_affinity import LoraAffinityParams, LoraAffinityScorer
-from kv_picker.scorers.predicted_latency import PredictedLatencyParams, PredictedLatencyScorer
+from kv_picker.scorers.predicted_latency import (
+    PredictedLatencyParams,
+    PredictedLatencyScorer,
+    fit_terms,
+)
 from kv_picker.scorers.session_affinity import (
     SessionAffinityParams,
     SessionAffinityScorer,
@@ -392,6 +396,7 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("calibrationMinTokens", 0),
         ("calibrationMinTokens", 1.5),
         ("calibrationSteps", "some"),
+        ("calibrationFit", "linear"),
         ("blockingCost", -1),
         ("blockingWindowSeconds", 0),
         ("slotWait", "oldest"),
@@ -755,6 +760,105 @@ def test_predicted_latency_calibration_from_shorter_prefills_and_without_their_s
     assert default.prefill_scale() == pytest.approx(3.1)
     assert short.prefill_scale() == pytest.approx((4 * 6.2 + 4 * 15.5) / (4 * 2 + 4 * 5))
     assert steps.prefill_scale() == pytest.approx(3.0)
+
+
+def test_predicted_latency_calibration_fits_linear_attention_and_steps_apart() -> None:
+    # calibrationFit: terms learns a factor each for the linear, attention and step seconds:
+    # a 70B model at tensor parallel 4 is about three times the 8B constants' linear cost but
+    # not their attention cost, so one factor learned from short prompts misprices long ones.
+    # Here the engine is 3x the linear, 1.5x the attention and 2x the step constants.
+    clock = ManualClock()
+    store = make_store(1, clock=clock)
+    (h100,) = store.all()
+    params = linear_latency(attentionCrossoverTokens=1000, stepSeconds=0.05, chunkTokens=4096,
+                            prefillCalibration=True, calibrationMinTokens=1000)  # fmt: skip
+    terms = PredictedLatencyScorer(
+        "p", dataclasses.replace(params, calibrationFit="terms"), make_context(store)
+    )
+    ratio = PredictedLatencyScorer("p", params, make_context(store))
+
+    def engine_s(tokens: int) -> float:  # a fresh prompt: tokens^2 / 2 attention pairs
+        linear = tokens / 1000
+        attention = tokens * tokens / 2 / 1e6
+        return 3.0 * linear + 1.5 * attention + 2.0 * math.ceil(tokens / 4096) * 0.05
+
+    def observe(tokens: int) -> None:
+        store.add_prefill(h100.id, tokens, tokens * tokens / 2)
+        clock.advance(engine_s(tokens))
+        store.prefill_done(h100.id, tokens, tokens * tokens / 2, observed=True)
+
+    for _ in range(2):
+        observe(2000)  # prompts of one length: the terms cannot be told apart
+    for _ in range(2):
+        observe(2000)
+    one_length = terms.calibration()
+    # So it is one ratio: measured over the constants' 2 s linear, 2 s attention, 0.05 s step.
+    assert one_length == pytest.approx((engine_s(2000) / 4.05,) * 3)
+    short, long = make_request("x" * 4 * 2000), make_request("x" * 4 * 8000)
+    assert terms.predict_ttft_s(short, h100) == pytest.approx(engine_s(2000))
+    for tokens in (1000, 4000, 8000, 1000, 4000, 8000):
+        observe(tokens)
+    assert terms.calibration() == pytest.approx((3.0, 1.5, 2.0), rel=1e-4)
+    # Prefills computed in the same engine steps end together: the second is timed from the
+    # first's end, at nothing, and joins its sample (here 3,000 tokens in one step).
+    for _ in range(4):
+        store.add_prefill(h100.id, 2000, 2000 * 2000 / 2)
+        store.add_prefill(h100.id, 1000, 1000 * 1000 / 2)
+        clock.advance(3.0 * 3 + 1.5 * (2.0 + 0.5) + 2.0 * 0.05)
+        store.prefill_done(h100.id, 2000, 2000 * 2000 / 2, observed=True)
+        store.prefill_done(h100.id, 1000, 1000 * 1000 / 2, observed=True)
+    assert store.prefill_samples[-1].seconds == 0.0
+    assert terms.calibration() == pytest.approx((3.0, 1.5, 2.0), rel=1e-4)
+    # One that ended with a prefill too short to be a sample has none to join: left out.
+    for _ in range(4):
+        store.add_prefill(h100.id, 500, 500 * 500 / 2)
+        store.add_prefill(h100.id, 1000, 1000 * 1000 / 2)
+        clock.advance(1.0)
+        store.prefill_done(h100.id, 500, 500 * 500 / 2, observed=True)
+        store.prefill_done(h100.id, 1000, 1000 * 1000 / 2, observed=True)
+    assert terms.calibration() == pytest.approx((3.0, 1.5, 2.0), rel=1e-4)
+    for request, tokens in ((short, 2000), (long, 8000)):
+        steps_s = math.ceil(tokens / 4096) * 0.05
+        assert terms.own_work_s(request, h100) == pytest.approx(engine_s(tokens) - 2.0 * steps_s)
+        assert terms.predict_ttft_s(request, h100) == pytest.approx(engine_s(tokens), rel=1e-4)
+    # One factor on all of it (calibrationFit: ratio, the steps unscaled), learned mostly from
+    # the long prompts' attention, prices the short prompt well below its cost.
+    assert ratio.predict_ttft_s(short, h100) < 0.9 * engine_s(2000)
+    # The decode term keeps its constants: what it ranks by, the KV read of the decodes on a
+    # holder, scales unlike an engine step's fixed cost, which is most of what the fit sees.
+    decoding = PredictedLatencyScorer(
+        "p",
+        dataclasses.replace(params, calibrationFit="terms", decodeTokens=10),
+        make_context(store),
+    )
+    assert decoding.decode_s(short, h100) == pytest.approx(10 * 0.05)
+    # Until a request has ended on the endpoint, the slot term reads a request's length as
+    # outputTokens steps each as the samples show a step (2x the constant here).
+    slots = dataclasses.replace(params, maxNumSeqs=1, outputTokens=10)
+    store.in_flight[h100.id] = 1  # one in flight: the next waits for its slot
+    for fit, step_factor in (("terms", 2.0), ("ratio", 1.0)):
+        with_slot = PredictedLatencyScorer(
+            "p", dataclasses.replace(slots, calibrationFit=fit), make_context(store)
+        )
+        without = PredictedLatencyScorer(
+            "p", dataclasses.replace(params, calibrationFit=fit), make_context(store)
+        )
+        assert with_slot.predict_ttft_s(short, h100) - without.predict_ttft_s(
+            short, h100
+        ) == pytest.approx(10 * 0.05 * step_factor, rel=1e-4)
+    store.in_flight[h100.id] = 0
+    assert [(g.name, g.value) for g in terms.collect_metrics()] == [
+        ("kv_picker_prefill_calibration_ratio", pytest.approx(3.0, rel=1e-4)),
+        ("kv_picker_prefill_calibration_attention_ratio", pytest.approx(1.5, rel=1e-4)),
+        ("kv_picker_prefill_calibration_step_ratio", pytest.approx(2.0, rel=1e-4)),
+    ]
+    # Within [0.25, 8] like the one ratio: a factor past a bound is held there and the others
+    # fitted again, so the samples' seconds are still matched as well as the bound allows.
+    rows = [(20.0 * n + n * n / 1e4 + 1.0, n, n * n / 1e4, 1.0) for n in (1.0, 2.0, 4.0, 8.0)]
+    linear, attention, step = fit_terms(rows)
+    assert linear == 8.0
+    assert attention > 1.0 and step > 1.0  # they take up what the linear term cannot
+    assert fit_terms([(1.0, 0.0, 0.0, 0.0)]) == (1.0, 1.0, 1.0)  # no work estimated: as is
 
 
 def test_predicted_latency_blocking_cost_prices_the_wait_of_requests_arriving_meanwhile() -> None:

@@ -111,3 +111,5 @@ def test_a_sample_records_the_prompt_tokens_in_flight_and_a_reader_may_lower_the
     assert [(s.tokens, s.seconds, s.in_flight_tokens) for s in store.prefill_samples] == [
         (2000.0, 0.5, 30_000.0)
     ]
+    # And when it ended: prefills an engine finished in one step end together.
+    assert store.prefill_samples[-1].ended_s == clock()
