@@ -271,18 +271,23 @@ in excess, is the KV read of the decodes a holder runs, which scales unlike the 
 cost the samples mostly show (70B at tensor parallel 4 reads a context token's KV in 0.6 times
 the 8B time); scaled by ``c`` it moved questions off the endpoints holding their documents
 (``long-doc-qa`` on four 70B endpoints at 0.3 load, draw 1: 0.285 s TTFT mean against 0.213
-s). An engine computes several queued prompts in one step when they fit its chunk, and the
-store times each from the end of the one before, so the later ones read as taking no time:
-under ``terms`` a sample that ended within half a step of the one before it on its endpoint
-joins that sample (and one with no sample to join is left out). The three factors are on
-``/metrics`` (``kv_picker_prefill_calibration_ratio``, ``..._attention_ratio``,
-``..._step_ratio``). With ``calibrationMinTokens`` 1,024 over the default on the routing
-matrix (draws 1-3, policy seed 0) it passed 337 cells summed over the draws on the tuning
-families against the default's 331, with TTFT mean and p90 1% lower and throughput 0.7% higher;
-held out, 304 against 305 and 123 pooled against 124, with TTFT 0.5% lower but worse worst
-cells (TTFT p90 1.25x the best against 1.19x, on ``long-doc-qa``), where ``c`` reads high (about
-2 on the 8B pool, whose constants are exact: a step timed from a queue's head also computes
-other prompts' chunks). Not set by the default (``benchmarks/RESULTS.md`` section 1).
+s). The samples are read in two ways only under ``terms``. An engine computes several queued
+prompts in one step when they fit its chunk, so a prefill with others queued behind it (the
+store's ``queued``) was timed over steps that also computed their chunks: while at least 4
+samples ended alone in this picker's queue, only those count (on ``long-doc-qa``, 16 8B
+endpoints at 0.6 load, draw 1, the factors then come out 0.98 / 0.98 / 1.41, against 0.85 /
+1.19 / 1.96 from every sample). And the store times each prefill from the end of the one
+before, so those an engine finished in the same step read as taking no time: a sample that
+ended within half a step of the one before it on its endpoint joins that sample, and one with
+no sample to join is left out. The three factors are on ``/metrics``
+(``kv_picker_prefill_calibration_ratio``, ``..._attention_ratio``, ``..._step_ratio``). With
+``calibrationMinTokens`` 1,024 over the default on the routing matrix (draws 1-3, policy seed
+0) it passed 341 cells summed over the draws on the tuning families against the default's 331
+(123 pooled against 122), with TTFT mean 0.9% and p90 1.2% lower and throughput 0.7% higher;
+held out 311 against 305 (125 pooled against 124), TTFT 0.6% lower, throughput 0.6% higher,
+but a worse worst TTFT p90 cell (1.27x the best against 1.19x, ``long-doc-qa`` on 16 8B
+endpoints at 0.6 load). On draws 61-63 the gain was 0.1-0.2%, with worse worst TTFT mean and
+throughput cells (``benchmarks/RESULTS.md`` section 1). Not set by the default.
 
 ``blockingCost`` (0: off) prices what a long prefill makes the requests arriving meanwhile
 wait: an engine computes a prompt's chunks ahead of the requests queued behind it, so every
@@ -644,11 +649,14 @@ class PredictedLatencyScorer:
             least = params.calibrationMinTokens
             samples = [s for s in store.prefill_samples if s.tokens >= least]
             if len(samples) >= CALIBRATION_MIN_SAMPLES:
-                terms = self._sample_terms(samples)
                 if params.calibrationFit == "terms":
-                    self._factors = fit_terms(terms)
+                    # Prefer prefills alone in the queue: the steps timed computed only them.
+                    alone = [s for s in samples if s.queued <= 1]
+                    if len(alone) >= CALIBRATION_MIN_SAMPLES:
+                        samples = alone
+                    self._factors = fit_terms(self._sample_terms(samples))
                 else:
-                    self._factors = fit_ratio(terms)
+                    self._factors = fit_ratio(self._sample_terms(samples))
         return self._factors
 
     def _sample_terms(self, samples: Sequence[PrefillSample]) -> list[tuple[float, ...]]:

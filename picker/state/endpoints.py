@@ -80,6 +80,9 @@ class PrefillSample:
     ended_s: float = 0.0
     """When it ended (the store's clock): prefills an engine finished in one step end
     together, the later ones timed at about nothing since the first."""
+    queued: int = 1
+    """The prefills this picker had queued on the endpoint when it ended, itself included:
+    with others behind it, the engine's steps also computed their chunks meanwhile."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -421,6 +424,7 @@ class EndpointStore:
                         max(0.0, now - head_s),
                         self.in_flight_tokens[endpoint_id],
                         now,
+                        self.prefill_requests[endpoint_id],
                     )
                 )
                 self.prefill_sample_count += 1

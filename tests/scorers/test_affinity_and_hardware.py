@@ -852,6 +852,20 @@ def test_predicted_latency_calibration_fits_linear_attention_and_steps_apart() -
         ("kv_picker_prefill_calibration_attention_ratio", pytest.approx(1.5, rel=1e-4)),
         ("kv_picker_prefill_calibration_step_ratio", pytest.approx(2.0, rel=1e-4)),
     ]
+    # A prefill with others queued behind it shared its steps with their chunks: while enough
+    # prefills ended alone in the queue, only those count (here it also waited on something
+    # the picker did not send, 10 s; the one behind it is timed right from its end).
+    scale = ratio.prefill_scale()
+    for _ in range(4):
+        store.add_prefill(h100.id, 2000, 2000 * 2000 / 2)
+        store.add_prefill(h100.id, 4000, 4000 * 4000 / 2)
+        clock.advance(engine_s(2000) + 10.0)
+        store.prefill_done(h100.id, 2000, 2000 * 2000 / 2, observed=True)
+        clock.advance(engine_s(4000))
+        store.prefill_done(h100.id, 4000, 4000 * 4000 / 2, observed=True)
+    assert [sample.queued for sample in list(store.prefill_samples)[-2:]] == [2, 1]
+    assert terms.calibration() == pytest.approx((3.0, 1.5, 2.0), rel=1e-4)
+    assert ratio.prefill_scale() > scale  # one ratio counts them all
     # Within [0.25, 8] like the one ratio: a factor past a bound is held there and the others
     # fitted again, so the samples' seconds are still matched as well as the bound allows.
     rows = [(20.0 * n + n * n / 1e4 + 1.0, n, n * n / 1e4, 1.0) for n in (1.0, 2.0, 4.0, 8.0)]

@@ -113,3 +113,10 @@ def test_a_sample_records_the_prompt_tokens_in_flight_and_a_reader_may_lower_the
     ]
     # And when it ended: prefills an engine finished in one step end together.
     assert store.prefill_samples[-1].ended_s == clock()
+    # And how many this picker had queued there, itself included.
+    store.add_prefill(endpoint.id, 2000.0)
+    store.add_prefill(endpoint.id, 3000.0)
+    clock.advance(0.5)
+    store.prefill_done(endpoint.id, 2000.0, observed=True)
+    store.prefill_done(endpoint.id, 3000.0, observed=True)
+    assert [s.queued for s in store.prefill_samples] == [1, 2, 1]
