@@ -411,8 +411,7 @@ def fit_terms(rows: Sequence[tuple[float, ...]]) -> tuple[float, float, float]:
     gram = features.T @ (features * weights[:, None])
     moments = features.T @ (y * weights)
     present = np.diag(gram) > 0.0
-    prior = np.where(present, ratio, 1.0)
-    prior[2] = ratio if present[2] else 1.0
+    prior = np.array([ratio, ratio, ratio if present[2] else 1.0])
     # The residual variance of a nearly free fit sets how strongly the prior holds.
     factors = _solve(gram, moments, prior, present, 1e-9 * float(np.diag(gram).max()))
     residual = y - features @ factors
