@@ -412,12 +412,12 @@ def fit_terms(rows: Sequence[tuple[float, ...]]) -> tuple[float, float, float]:
     moments = features.T @ (y * weights)
     present = np.diag(gram) > 0.0
     prior = np.array([ratio, ratio, ratio if present[2] else 1.0])
+    floor = 1e-9 * float(np.diag(gram).max())  # keeps a rank-deficient system solvable
     # The residual variance of a nearly free fit sets how strongly the prior holds.
-    factors = _solve(gram, moments, prior, present, 1e-9 * float(np.diag(gram).max()))
+    factors = _solve(gram, moments, prior, present, floor)
     residual = y - features @ factors
     dof = max(1, len(y) - int(present.sum()))
     variance = float(residual @ (residual * weights)) / dof
-    floor = 1e-9 * float(np.diag(gram).max())  # keeps a rank-deficient system solvable
     strength = max(variance / (FIT_SPREAD * ratio) ** 2, floor)
     factors = _solve(gram, moments, prior, present, strength)
     return (float(factors[0]), float(factors[1]), float(factors[2]))
