@@ -8,6 +8,7 @@ from kv_picker.scorers.hardware_class import HardwareClassScorer
 from kv_picker.scorers.kv_cache_utilization import KVCacheUtilizationScorer
 from kv_picker.scorers.load_aware import LoadAwareScorer
 from kv_picker.scorers.lora_affinity import LoraAffinityScorer
+from kv_picker.scorers.no_hit_lru import NoHitLruScorer
 from kv_picker.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
 from kv_picker.scorers.prefix_cache import PrefixCacheScorer
@@ -27,6 +28,7 @@ BUILTIN_SCORERS = (
     LoraAffinityScorer,
     SessionAffinityScorer,
     RecentWorkScorer,
+    NoHitLruScorer,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "KVCacheUtilizationScorer",
     "LoadAwareScorer",
     "LoraAffinityScorer",
+    "NoHitLruScorer",
     "PrecisePrefixCacheScorer",
     "PredictedLatencyScorer",
     "PrefixCacheScorer",

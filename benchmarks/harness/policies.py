@@ -16,6 +16,7 @@ EndpointPickerConfig document:
 | `sglang-cache-aware` | `sglang-cache-aware-picker` | sgl-router's `cache_aware` policy (reference/vllm-kv.md §6.2, peers.md §2.1) |
 | `dynamo-cost` | `dynamo-cost-picker` | Dynamo's KV router cost function (reference/vllm-kv.md §6.1) |
 | `kv-picker` | the built-in default (no plugins given) | kv-picker's own profile |
+| `llm-d-default` | approximate `prefix-cache-scorer` 3, `queue-scorer` 2, `kv-cache-utilization-scorer` 2, `no-hit-lru-scorer` 2 | llm-d's "optimized baseline" profile (named, not one of `baselines`: the stored matrices ran without it) |
 
 Plugins (harness registry only):
 
@@ -384,6 +385,19 @@ BASELINES: dict[str, dict[str, Any]] = {
 
 DEFAULT_POLICIES = tuple(BASELINES)
 
+NAMED_POLICIES: dict[str, dict[str, Any]] = {
+    **BASELINES,
+    "llm-d-default": _single(
+        ("prefix-cache-scorer", 3),
+        ("queue-scorer", 2),
+        ("kv-cache-utilization-scorer", 2),
+        ("no-hit-lru-scorer", 2),
+        ("max-score-picker", None),
+    ),
+}
+"""Every policy known by name: the baselines, and policies that ``baselines`` leaves out so that
+the stored matrices, which ran without them, stay what their commands say."""
+
 # Plugin types known not to read the prompt text: a policy made only of these skips building
 # the (long) prompt string per request. Unknown types are assumed to read it.
 _TEXT_FREE_TYPES = frozenset(
@@ -476,8 +490,8 @@ def resolve_policy(item: str) -> Policy:
     Raises:
         ConfigError: unknown name, unreadable file or invalid YAML.
     """
-    if item in BASELINES:
-        return Policy(item, BASELINES[item])
+    if item in NAMED_POLICIES:
+        return Policy(item, NAMED_POLICIES[item])
     name, sep, path_text = item.partition("=")
     if not sep:
         path_text = item
@@ -485,7 +499,8 @@ def resolve_policy(item: str) -> Policy:
     path = Path(path_text)
     if not path.exists():
         raise ConfigError(
-            f"policy {item!r}: not a baseline ({', '.join(BASELINES)}) and no file {path_text!r}"
+            f"policy {item!r}: not a named policy ({', '.join(NAMED_POLICIES)}) and no file "
+            f"{path_text!r}"
         )
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}

@@ -92,7 +92,7 @@ def test_pd_replay(tmp_path: Path) -> None:
     ("argv", "fragment"),
     [
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
-        (["--trace", TINY, "--policy", "fastest"], "not a baseline"),
+        (["--trace", TINY, "--policy", "fastest"], "not a named policy"),
         (["--trace", TINY, "--endpoint", "gpu:x"], "expected ROLE[:HW[:BLOCKS]][xCOUNT]"),
         (["--trace", TINY, "--endpoint", "both:Z80"], "unknown hardware 'Z80'"),
         (["--trace", TINY, "--window", "later"], "expected START:END"),

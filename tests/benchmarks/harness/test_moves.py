@@ -125,7 +125,7 @@ def test_the_command_writes_its_report_and_refuses_bad_input(
         (["chat/0.3/pd/llama-3.1-8b-h100"], "the matrix has no pd cell for chat"),
         ([CELL, "--min-tokens", "0"], "--min-tokens must be at least 1"),
         ([CELL, "--top", "-1"], "--top must be at least 0"),
-        ([CELL, "--policy", "no-such-policy"], "not a baseline"),
+        ([CELL, "--policy", "no-such-policy"], "not a named policy"),
     ):
         assert main([*argv, "--quick"]) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -144,7 +144,13 @@ def test_policy_resolution(tmp_path: Path) -> None:
     assert named.name == "short" and not named.needs_prompt
     assert resolve_policy(str(config)).name == "mine"
     assert resolve_policy("kv-picker").needs_prompt
-    with pytest.raises(ConfigError, match="not a baseline"):
+    # Named but not one of `baselines`: the stored matrices ran without it.
+    llm_d = resolve_policy("llm-d-default")
+    assert "llm-d-default" not in [p.name for p in resolve_policies(["baselines"])]
+    types = [p["type"] for p in llm_d.document["plugins"]]
+    assert "no-hit-lru-scorer" in types
+    llm_d.config(registry)
+    with pytest.raises(ConfigError, match="not a named policy"):
         resolve_policy("fastest")
     with pytest.raises(ConfigError, match="repeated: random"):
         resolve_policies(["random", "random"])
@@ -156,7 +162,7 @@ def test_policy_resolution(tmp_path: Path) -> None:
 
 def test_pd_variant_gives_each_side_its_own_plugins() -> None:
     registry = harness_registry()
-    for name in ("kv-picker", "round-robin", "gie-default"):
+    for name in ("kv-picker", "round-robin", "gie-default", "llm-d-default"):
         variant = pd_variant(resolve_policy(name), 256)
         config = variant.config(registry)
         assert [p.name for p in config.profiles] == ["decode", "prefill"]
