@@ -61,6 +61,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
+from kv_picker import upstream
 from kv_picker.admission import AdmissionConfig
 from kv_picker.decode import (
     Check,
@@ -709,6 +710,9 @@ def parse_config_text(text: str, registry: Registry, source: str = "<text>") -> 
 
 def parse_config(document: Any, registry: Registry, source: str = "<dict>") -> PickerConfig:
     """Phase one: validate a decoded document completely."""
+    document, notes = upstream.translate(document)
+    for note in notes:
+        log.warning("%s: %s", source, note)
     doc = decode(_Document, document, "")
     for section in IGNORED_SECTIONS:
         if isinstance(document, Mapping) and section in document:

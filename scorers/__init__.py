@@ -12,7 +12,7 @@ from kv_picker.scorers.no_hit_lru import NoHitLruScorer
 from kv_picker.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
 from kv_picker.scorers.prefix_cache import PrefixCacheScorer
-from kv_picker.scorers.queue import QueueScorer
+from kv_picker.scorers.queue import QueueScorer, RunningRequestsScorer
 from kv_picker.scorers.recent_work import RecentWorkScorer
 from kv_picker.scorers.session_affinity import SessionAffinityScorer
 
@@ -29,6 +29,7 @@ BUILTIN_SCORERS = (
     SessionAffinityScorer,
     RecentWorkScorer,
     NoHitLruScorer,
+    RunningRequestsScorer,
 )
 
 __all__ = [
@@ -44,5 +45,6 @@ __all__ = [
     "PrefixCacheScorer",
     "QueueScorer",
     "RecentWorkScorer",
+    "RunningRequestsScorer",
     "SessionAffinityScorer",
 ]

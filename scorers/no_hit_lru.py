@@ -160,4 +160,4 @@ class NoHitLruScorer:
     def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
         if keys:
             for endpoint_id in endpoint_ids:
-                self.order.touch(endpoint_id)
+                self.order.touch(EndpointId(endpoint_id))

@@ -36,6 +36,12 @@ their decode slowed (down to 0.71 of the best output throughput). The built-in d
 together with the latency estimate's decode term for long prompts, which answers that
 (``predicted-latency-scorer``'s ``decodeMinPromptTokens``).
 
+``matchLengthWeight`` (0, at most 1) mixes in the matched length itself, as llm-d's scorer of
+this name does: ``score = w * min(1, matched_tokens / matchLengthScaleTokens)^2 + (1 - w) *
+matched_blocks / total_blocks`` with ``matchLengthScaleTokens`` (8192) and ``matched_tokens`` =
+matched blocks x ``blockSizeChars`` / 4; so a long match outweighs a short prompt matched whole.
+Configs written for llm-d's producer and scorer pair load as this scorer (:mod:`kv_picker.upstream`).
+
 ``pendingYieldTokens`` (0: off) stops a context still being computed from drawing requests
 away from an endpoint that already holds it. The index records blocks at the pick, before the
 endpoint has computed them. So when a long context is placed again on a second endpoint, the
@@ -94,7 +100,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from kv_picker.decode import NonNegative, Range, aliases
+from kv_picker.decode import NonNegative, Positive, Range, aliases
 from kv_picker.scheduling.context import BuildContext, Lifetime
 from kv_picker.scheduling.framework import (
     Endpoint,
@@ -132,6 +138,8 @@ class PrefixCacheParams:
     pendingYieldDecode: Annotated[float, NonNegative] = 0.0
     fullYield: Annotated[int, NonNegative] = 0
     fullYieldFree: Annotated[int, Range(ge=1)] = 1
+    matchLengthWeight: Annotated[float, Range(ge=0, le=1)] = 0.0
+    matchLengthScaleTokens: Annotated[float, Positive] = 8192.0
 
 
 class PrefixCacheScorer:
@@ -203,10 +211,25 @@ class PrefixCacheScorer:
             if run:
                 matched[endpoint.id] = run
                 out[i] = run / total
+        if self.params.matchLengthWeight:
+            self._weigh_length(candidates, runs, out)
         if self.params.pendingYieldTokens and len(matched) > 1:
             self._yield_pending(candidates, runs, out)
         if self.params.fullYield:
             self._yield_full(candidates, out)
+
+    def _weigh_length(
+        self, candidates: Sequence[Endpoint], runs: list[int], out: list[float]
+    ) -> None:
+        """``matchLengthWeight``: part of the score from the matched tokens themselves."""
+        weight = self.params.matchLengthWeight
+        block_tokens = self.params.blockSizeChars / DEFAULT_CHARS_PER_TOKEN
+        scale = self.params.matchLengthScaleTokens
+        for i, endpoint in enumerate(candidates):
+            run = runs[endpoint.id]
+            if run:
+                length = min(1.0, run * block_tokens / scale)
+                out[i] = weight * length * length + (1.0 - weight) * out[i]
 
     def _yield_full(self, candidates: Sequence[Endpoint], out: list[float]) -> None:
         """Zero the score of a holder with ``fullYield`` requests in flight (every sequence

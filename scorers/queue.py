@@ -1,14 +1,15 @@
-"""queue-scorer: prefer endpoints with fewer waiting requests.
+"""queue-scorer: prefer endpoints with fewer waiting requests (and running-requests-size-scorer,
+fewer running ones).
 
-Type: ``queue-scorer``
+Types: ``queue-scorer``, ``running-requests-size-scorer`` (llm-d's)
 
-Formula: min-max over the candidates of ``q = vllm:num_requests_waiting``:
+Formula: min-max over the candidates of ``q = vllm:num_requests_waiting`` (the queue scorer) or
+``vllm:num_requests_running`` (the running-requests scorer):
 ``score = (max_q - q) / (max_q - min_q)``; all equal -> 1.0.
 An endpoint whose metrics are older than the staleness bound counts as the most loaded
 (score 0 unless all are stale).
 
-Inputs: scraped ``vllm:num_requests_waiting``.
-Parameters: none.
+Inputs: the scraped gauge. Parameters: none.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class QueueParams:
 class QueueScorer:
     type_name: ClassVar[str] = "queue-scorer"
     Params = QueueParams
+    signal: ClassVar[str] = "waiting"  # the EndpointStore column scored
 
     def __init__(self, name: str, params: QueueParams, ctx: BuildContext) -> None:
         self.name = name
@@ -41,11 +43,11 @@ class QueueScorer:
 
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         store = self._store
-        waiting = store.waiting
+        gauge = getattr(store, self.signal)
         scraped_s = store.scraped_s
         oldest_fresh_s = store.now() - self._staleness_s
         loads = [
-            waiting[e.id] if scraped_s[e.id] >= oldest_fresh_s else _STALE_LOAD for e in candidates
+            gauge[e.id] if scraped_s[e.id] >= oldest_fresh_s else _STALE_LOAD for e in candidates
         ]
         finite = [load for load in loads if load != _STALE_LOAD]
         if len(finite) != len(loads):
@@ -56,3 +58,8 @@ class QueueScorer:
             worst = max(finite) + 1.0
             loads = [worst if load == _STALE_LOAD else load for load in loads]
         write_min_max_inverse(loads, out)
+
+
+class RunningRequestsScorer(QueueScorer):
+    type_name: ClassVar[str] = "running-requests-size-scorer"
+    signal: ClassVar[str] = "running"

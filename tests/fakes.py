@@ -34,6 +34,7 @@ def make_store(
     count: int,
     *,
     waiting: Sequence[float] | None = None,
+    running: Sequence[float] | None = None,
     kv_usage: Sequence[float] | None = None,
     labels: Sequence[dict[str, str]] | None = None,
     clock: ManualClock | None = None,
@@ -49,7 +50,7 @@ def make_store(
         store.update_metrics(
             endpoint.id,
             waiting=waiting[i] if waiting else 0.0,
-            running=0.0,
+            running=running[i] if running else 0.0,
             kv_usage=kv_usage[i] if kv_usage else 0.0,
         )
     return store

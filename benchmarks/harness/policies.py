@@ -407,6 +407,8 @@ _TEXT_FREE_TYPES = frozenset(
         "weighted-random-picker",
         "round-robin-picker",
         "queue-scorer",
+        "running-requests-size-scorer",
+        "no-hit-lru-scorer",
         "kv-cache-utilization-scorer",
         "active-request-scorer",
         "dynamo-cost-picker",

@@ -12,6 +12,7 @@
   and `phase: decode` respectively.
 - `nonCachedTokens` (0): disaggregate when the prompt tokens *not* cached on the chosen decode
   endpoint are at least this many; 0 never disaggregates.
+- `always` (false): disaggregate every request (llm-d's `always-disagg-pd-decider`).
 - `minPromptTokens` (0): and only when the prompt has at least this many tokens.
 - `charsPerToken` (4.0): the token estimate when no tokenizer ran.
 
@@ -71,6 +72,7 @@ class PDProfileParams:
     nonCachedTokens: Annotated[int, NonNegative] = 0
     minPromptTokens: Annotated[int, NonNegative] = 0
     charsPerToken: Annotated[float, Positive] = 4.0
+    always: bool = False
 
     def validate(self) -> None:
         if self.decodeProfile == self.prefillProfile:
@@ -117,6 +119,8 @@ class PDProfileHandler:
 
     def _should_disaggregate(self, request: LLMRequest, decode_endpoint: Endpoint) -> bool:
         params = self.params
+        if params.always:
+            return True
         if params.nonCachedTokens == 0:
             return False
         total = prompt_tokens(request, params.charsPerToken)

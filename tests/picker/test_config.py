@@ -108,8 +108,8 @@ def test_durations() -> None:
             ["plugins[0] (nope-scorer)", "unknown plugin type", "queue-scorer"],
         ),
         (
-            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSize": 4}}]},
-            ["prefix-cache-scorer", "blockSize", "known: blockSizeChars"],
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSiz": 4}}]},
+            ["prefix-cache-scorer", "blockSiz", "known: blockSizeChars"],
         ),
         (
             {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSizeChars": "x"}}]},

@@ -16,7 +16,7 @@ from kv_picker.scorers.kv_cache_utilization import (
     KVCacheUtilizationScorer,
 )
 from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
-from kv_picker.scorers.queue import QueueParams, QueueScorer
+from kv_picker.scorers.queue import QueueParams, QueueScorer, RunningRequestsScorer
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import (
     ManualClock,
@@ -32,6 +32,12 @@ def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyp
     out = [0.0] * len(store.all())
     scorer.score(request or make_request(), store.all(), out)
     return out
+
+
+def test_running_requests_min_max_reads_the_running_gauge() -> None:
+    store = make_store(3, waiting=[9, 0, 0], running=[1, 3, 5])
+    scorer = RunningRequestsScorer("r", QueueParams(), make_context(store))
+    assert scores(scorer, store) == [1.0, 0.5, 0.0]
 
 
 def test_queue_min_max() -> None:
@@ -77,6 +83,25 @@ def test_prefix_scores_matched_over_total_after_pick() -> None:
     assert scores(scorer, store, salted) == [0.0, 0.0, 0.0]
     other_model = make_request("a" * 100, model="m2")
     assert scores(scorer, store, other_model) == [0.0, 0.0, 0.0]
+
+
+def test_prefix_match_length_weight_mixes_in_the_matched_tokens() -> None:
+    # llm-d's form: w * min(1, matched tokens / scale)^2 + (1 - w) * matched / total.
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=40, matchLengthWeight=0.5, matchLengthScaleTokens=40)
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    long_holder, short_holder = store.all()[0], store.all()[1]
+    for prompt, holder in (("a" * 400, long_holder), ("a" * 80 + "c" * 320, short_holder)):
+        request = make_request(prompt)
+        scores(scorer, store, request)
+        scorer.on_pick(
+            request, SchedulingResult("default", {"default": ProfileResult([holder], [], [])})
+        )
+    # 10 blocks of 10 tokens; the first holds 8 of them (80 tokens), the second 2 (20 tokens).
+    probe = make_request("a" * 320 + "b" * 80)
+    assert scores(scorer, store, probe) == pytest.approx(
+        [0.5 * 1.0 + 0.5 * 0.8, 0.5 * 0.5**2 + 0.5 * 0.2, 0.0]
+    )
 
 
 def test_prefix_affinity_through_scheduler() -> None:
