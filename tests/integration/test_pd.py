@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import yaml
+
 from kv_picker_bench.localstack import LocalStack, SimSpec
 from kv_picker_bench.workloads import words
 from tests.integration.conftest import post
@@ -77,3 +79,24 @@ def test_long_prompt_is_disaggregated_short_and_cached_ones_are_not() -> None:
         assert (
             f'kv_picker_picks_total{{endpoint="{prefill_address}",profile="prefill"}} 1.0' in text
         )
+
+
+def test_llm_d_guide_pd_config_disaggregates_every_request_through_envoy() -> None:
+    # llm-d's P/D guide config, unchanged: disagg-profile-handler asking always-disagg-pd-decider,
+    # with its headers handler (not built here: the picker sets x-prefiller-host-port itself).
+    from tests.picker.test_upstream import PD
+
+    sims = [SimSpec(role="prefill"), SimSpec(role="decode"), SimSpec(role="decode")]
+    with LocalStack(sims=sims, picker_config=yaml.safe_load(PD), time_scale=0.02) as stack:
+        prefill_address = stack.sim_addresses[0]
+        for prompt in ("What is 2+2?", "Reference manual. " + words(random.Random(5), 300)):
+            reply = post(
+                stack.url + "/v1/completions",
+                {"model": "sim-model", "prompt": prompt, "max_tokens": 3},
+            )
+            assert reply.status == 200, reply.body
+            timing = reply.json()["kv_picker_sim"]
+            assert reply.headers["x-kv-picker-sim-endpoint"] != prefill_address
+            assert timing["prefill_endpoint"] == prefill_address
+            assert timing["prefill_leg_error"] is None
+        assert stack.sim_metrics()[prefill_address]["kv_picker_sim_pd_legs_total"] == 2.0
