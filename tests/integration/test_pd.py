@@ -9,6 +9,7 @@ import yaml
 from kv_picker_bench.localstack import LocalStack, SimSpec
 from kv_picker_bench.workloads import words
 from tests.integration.conftest import post
+from tests.picker.test_upstream import PD
 
 PD_CONFIG = {
     "plugins": [
@@ -84,8 +85,6 @@ def test_long_prompt_is_disaggregated_short_and_cached_ones_are_not() -> None:
 def test_llm_d_guide_pd_config_disaggregates_every_request_through_envoy() -> None:
     # llm-d's P/D guide config, unchanged: disagg-profile-handler asking always-disagg-pd-decider,
     # with its headers handler (not built here: the picker sets x-prefiller-host-port itself).
-    from tests.picker.test_upstream import PD
-
     sims = [SimSpec(role="prefill"), SimSpec(role="decode"), SimSpec(role="decode")]
     with LocalStack(sims=sims, picker_config=yaml.safe_load(PD), time_scale=0.02) as stack:
         prefill_address = stack.sim_addresses[0]
