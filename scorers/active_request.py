@@ -65,6 +65,18 @@ pooled over three draws no choice had seen, with output throughput 1.08x and TTF
 the default's without it over the pool's 240 cell draws of draws 1-3, at a cost on shared
 prefixes past the pool's decode capacity (``benchmarks/RESULTS.md`` section 1).
 
+``stepTokens`` (0: off; needs ``ownDecode``) also charges a candidate slower than the fastest for
+the fixed part of its decode steps (the model's weights read each step), in the same
+token-equivalents: ``+ stepTokens * (1 / speed(e) - 1 / fastest)``, with ``stepTokens`` that fixed
+cost on the fastest class in KV tokens (``predicted-latency-scorer``'s ``stepSeconds x
+kvReadTokensPerSecond``: 0.0065 s x 17.6M tokens/s = 114,400 for an 8B model on an H100). The
+busiest candidate's load without it still sets the span, so the charge pushes a slow endpoint's
+score down (to 0 once it exceeds the span) without flattening the others' spread. Why: an idle
+L4 counts as free, yet each of its decode steps takes about eleven times an H100's whatever it
+holds; short requests sent there finish long after the rest (on the routing matrix's mixed pool,
+``tenants`` at 0.9 load with the 70B, draw 2: the last of them 65 s after the start against 15 s
+without the L4s). Measured, not in the built-in default (``benchmarks/RESULTS.md`` section 1).
+
 Parameters: ``idleThreshold`` (0): an endpoint with at most this many requests (or tokens) in
 flight counts as idle; ``unit`` (requests, or tokens); ``perHardware`` (false); ``fullScale``
 (0: always relative to the busiest candidate), in the unit's terms; ``ownDecode`` (false; only
@@ -209,6 +221,7 @@ class ActiveRequestParams:
     perHardware: bool = False
     fullScale: Annotated[float, NonNegative] = 0.0
     ownDecode: bool = False
+    stepTokens: Annotated[float, NonNegative] = 0.0
     charsPerToken: Annotated[float, Positive] = DEFAULT_CHARS_PER_TOKEN
     promptScale: Annotated[float, NonNegative] = 0.0
     cachedScale: Annotated[float, NonNegative] = 0.0
@@ -244,7 +257,10 @@ class ActiveRequestScorer:
         self._hardware = ctx.hardware if params.perHardware else None
         if params.ownDecode and not params.perHardware:
             raise ValueError("ownDecode needs perHardware: true")
+        if params.stepTokens and not params.ownDecode:
+            raise ValueError("stepTokens needs ownDecode: true")
         self._own = params.ownDecode
+        self._step_tokens = params.stepTokens
         self._prompt_scale = params.promptScale
         if params.promptScale > 0 and params.unit != "tokens":
             raise ValueError("promptScale needs unit: tokens (it scales by the prompt's tokens)")
@@ -401,6 +417,9 @@ class ActiveRequestScorer:
             for endpoint, speed in zip(candidates, speeds, strict=True):
                 # 1/speed - 1/fastest is exactly 0 where speed is the fastest's.
                 loads.append(in_flight[endpoint.id] / speed + own * (1.0 / speed - fastest))
+            if self._step_tokens:
+                self._score_slow_steps(request, candidates, loads, speeds, fastest, out)
+                return
         else:
             for endpoint in candidates:
                 loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
@@ -409,6 +428,28 @@ class ActiveRequestScorer:
         for i, load in enumerate(loads):
             over = load - free
             out[i] = 1.0 if load <= idle or over <= 0.0 else 1.0 - over / span
+
+    def _score_slow_steps(
+        self,
+        request: LLMRequest,
+        candidates: Sequence[Endpoint],
+        loads: list[float],
+        speeds: list[float],
+        fastest: float,
+        out: list[float],
+    ) -> None:
+        """``stepTokens``: a slower class's fixed step cost counts as load beyond the span."""
+        free = self._free
+        span = self._span(request, candidates, max(0.0, max(loads) - free))
+        idle = self._idle
+        step = self._step_tokens
+        for i, load in enumerate(loads):
+            slow = step * (1.0 / speeds[i] - fastest)
+            if not slow and load <= idle:
+                out[i] = 1.0
+                continue
+            over = load + slow - free
+            out[i] = 1.0 if over <= 0.0 else max(0.0, 1.0 - over / span)
 
     def _less_held(
         self, request: LLMRequest, candidates: Sequence[Endpoint], in_flight: InFlight

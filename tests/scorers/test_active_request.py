@@ -179,6 +179,36 @@ def test_own_decode_changes_nothing_on_a_pool_of_one_class(
     assert own == plain
 
 
+def test_step_tokens_charge_a_slow_class_its_fixed_step_without_flattening_the_rest() -> None:
+    # Three H100s with 0 / 20,000 / 40,000 tokens in flight and an idle L4. Without stepTokens
+    # the idle L4 scores best for a short request; with it, the L4's slower fixed step (114,400
+    # token-equivalents on an H100, eleven times that on the L4) scores 0, and the H100s keep
+    # the spread they have without the L4 among the candidates.
+    store = _classed_store(["H100", "H100", "H100", "L4"])
+    store.in_flight_tokens[:4] = [0, 20_000, 40_000, 0]  # type: ignore[attr-defined]
+    request = make_request("x" * 400)
+    plain = [0.0] * 4
+    _per_hardware(store, own=True).score(request, store.all(), plain)  # type: ignore[attr-defined]
+    assert plain[3] > plain[1]
+    params = ActiveRequestParams(
+        unit="tokens", perHardware=True, ownDecode=True, stepTokens=114_400
+    )
+    stepped = [0.0] * 4
+    ActiveRequestScorer("a", params, make_context(store)).score(request, store.all(), stepped)  # type: ignore[arg-type, attr-defined]
+    assert stepped[3] == 0.0
+    assert stepped[:3] == pytest.approx(plain[:3])
+    # One class: the term is 0 everywhere and nothing changes.
+    same = _classed_store(["A100"] * 3)
+    same.in_flight_tokens[:3] = [0, 5_000, 30_000]  # type: ignore[attr-defined]
+    a, b = [0.0] * 3, [0.0] * 3
+    _per_hardware(same, own=True).score(request, same.all(), a)  # type: ignore[attr-defined]
+    ActiveRequestScorer("a", params, make_context(same)).score(request, same.all(), b)  # type: ignore[arg-type, attr-defined]
+    assert a == b
+    _refused(
+        {"unit": "tokens", "perHardware": True, "stepTokens": 1000}, "stepTokens needs ownDecode"
+    )
+
+
 def _refused(parameters: dict[str, object], match: str) -> None:
     """An active-request-scorer with these parameters is a config error matching ``match``."""
     document = {
