@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import yaml
 
@@ -36,6 +37,17 @@ PD_CONFIG = {
 }
 
 
+def _disaggregated(reply: Any, prefill_address: str) -> dict[str, Any]:
+    """The simulated endpoint's timing of a reply served by a decode endpoint whose prompt was
+    computed at ``prefill_address``."""
+    assert reply.status == 200, reply.body
+    timing: dict[str, Any] = reply.json()["kv_picker_sim"]
+    assert reply.headers["x-kv-picker-sim-endpoint"] != prefill_address
+    assert timing["prefill_endpoint"] == prefill_address
+    assert timing["prefill_leg_error"] is None
+    return timing
+
+
 def test_long_prompt_is_disaggregated_short_and_cached_ones_are_not() -> None:
     sims = [SimSpec(role="prefill"), SimSpec(role="decode"), SimSpec(role="decode")]
     with LocalStack(sims=sims, picker_config=PD_CONFIG, time_scale=0.02) as stack:
@@ -46,11 +58,7 @@ def test_long_prompt_is_disaggregated_short_and_cached_ones_are_not() -> None:
             stack.url + "/v1/completions",
             {"model": "sim-model", "prompt": document, "max_tokens": 6},
         )
-        assert long_reply.status == 200, long_reply.body
-        timing = long_reply.json()["kv_picker_sim"]
-        assert long_reply.headers["x-kv-picker-sim-endpoint"] != prefill_address
-        assert timing["prefill_endpoint"] == prefill_address
-        assert timing["prefill_leg_error"] is None
+        timing = _disaggregated(long_reply, prefill_address)
         assert timing["transferred_tokens"] == long_reply.json()["usage"]["prompt_tokens"]
         assert long_reply.json()["usage"]["completion_tokens"] == 6
 
@@ -89,13 +97,6 @@ def test_llm_d_guide_pd_config_disaggregates_every_request_through_envoy() -> No
     with LocalStack(sims=sims, picker_config=yaml.safe_load(PD), time_scale=0.02) as stack:
         prefill_address = stack.sim_addresses[0]
         for prompt in ("What is 2+2?", "Reference manual. " + words(random.Random(5), 300)):
-            reply = post(
-                stack.url + "/v1/completions",
-                {"model": "sim-model", "prompt": prompt, "max_tokens": 3},
-            )
-            assert reply.status == 200, reply.body
-            timing = reply.json()["kv_picker_sim"]
-            assert reply.headers["x-kv-picker-sim-endpoint"] != prefill_address
-            assert timing["prefill_endpoint"] == prefill_address
-            assert timing["prefill_leg_error"] is None
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 3}
+            _disaggregated(post(stack.url + "/v1/completions", body), prefill_address)
         assert stack.sim_metrics()[prefill_address]["kv_picker_sim_pd_legs_total"] == 2.0

@@ -15,7 +15,7 @@ from tests.fakes import make_request, make_scheduler, make_store
 
 HEADER = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 
-# The profiles of llm-d's guides, as they ship them.
+# The profiles of llm-d's guides, their content as shipped (profile lists in YAML's flow style).
 TIERED = (
     HEADER
     + """
@@ -35,15 +35,10 @@ plugins:
     producer: cpu-prefix-cache-producer
 schedulingProfiles:
 - name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2.0
-  - pluginRef: gpu-prefix-cache-scorer
-    weight: 1.0
-  - pluginRef: cpu-prefix-cache-scorer
-    weight: 1.0
+  plugins: [{pluginRef: queue-scorer, weight: 2},
+    {pluginRef: kv-cache-utilization-scorer, weight: 2.0},
+    {pluginRef: gpu-prefix-cache-scorer, weight: 1.0},
+    {pluginRef: cpu-prefix-cache-scorer, weight: 1.0}]
 """
 )
 
@@ -65,23 +60,12 @@ plugins:
 - type: max-score-picker
 schedulingProfiles:
 - name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: max-score-picker
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: prefix-cache-scorer, weight: 3},
+    {pluginRef: queue-scorer, weight: 2}, {pluginRef: kv-cache-utilization-scorer, weight: 2},
+    {pluginRef: max-score-picker}]
 - name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: active-request-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
+  plugins: [{pluginRef: decode-filter}, {pluginRef: active-request-scorer, weight: 2},
+    {pluginRef: prefix-cache-scorer, weight: 3}, {pluginRef: max-score-picker}]
 """
 )
 
@@ -102,21 +86,11 @@ plugins:
     hashBlockSize: 5
 schedulingProfiles:
 - name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: active-request-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 2
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: prefix-cache-scorer, weight: 3},
+    {pluginRef: active-request-scorer, weight: 2}, {pluginRef: queue-scorer, weight: 2}]
 - name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: active-request-scorer
-    weight: 1
-  - pluginRef: queue-scorer
-    weight: 1
+  plugins: [{pluginRef: decode-filter}, {pluginRef: active-request-scorer, weight: 1},
+    {pluginRef: queue-scorer, weight: 1}]
 """
 )
 
@@ -138,13 +112,9 @@ plugins:
     headroom: 0.0
 schedulingProfiles:
 - name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
+  plugins: [{pluginRef: queue-scorer, weight: 2},
+    {pluginRef: kv-cache-utilization-scorer, weight: 2},
+    {pluginRef: prefix-cache-scorer, weight: 3}]
 saturationDetector:
   pluginRef: concurrency-detector
 flowControl:

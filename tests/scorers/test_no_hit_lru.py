@@ -15,7 +15,7 @@ from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.no_hit_lru import NoHitLruParams, NoHitLruScorer
 from tests.fakes import make_context, make_request, make_scheduler, make_store
 
-# llm-d's "optimized baseline" profile, as its guides ship it.
+# llm-d's "optimized baseline" profile, its content as its guides ship it.
 OPTIMIZED_BASELINE = """
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -26,15 +26,9 @@ plugins:
 - type: no-hit-lru-scorer
 schedulingProfiles:
 - name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: no-hit-lru-scorer
-    weight: 2
+  plugins: [{pluginRef: queue-scorer, weight: 2},
+    {pluginRef: kv-cache-utilization-scorer, weight: 2},
+    {pluginRef: prefix-cache-scorer, weight: 3}, {pluginRef: no-hit-lru-scorer, weight: 2}]
 """
 
 
