@@ -22,10 +22,11 @@ never-seeded candidates' count:
 A request some candidate holds (a hit) scores 0.5 everywhere: it leaves the choice to the other
 scorers. One candidate scores 1. After each pick of a cold request the destination (the primary
 profile's target) and, under P/D, the prefill endpoint picked for it become the most recently
-seeded. The LRU is shared by every profile (a
-P/D pool's prefill and decode endpoints are ranked in one order) and keeps the last ``lruSize``
-endpoints; an endpoint that leaves the pool leaves it. The order outlives a config reload that keeps this plugin's name and
-``lruSize``, and reaches the other workers of ``serve --workers N`` with each pick.
+seeded. The LRU is shared by every profile (a P/D pool's prefill and decode endpoints are ranked
+in one order) and keeps the last ``lruSize`` endpoints; an endpoint that leaves the pool leaves
+it. The order outlives a config reload that keeps this plugin's name and ``lruSize``, and
+reaches the other workers of ``serve --workers N`` with each pick (a worker started again
+begins with an empty order).
 
 Parameters (defaults): ``lruSize`` (1024; 0 or less: the default, as upstream).
 ``prefixPluginName``, ``prefixPluginType`` and ``prefixMatchInfoProducerName`` are accepted for
