@@ -10,7 +10,7 @@ unchanged, :func:`translate` rewrites a document's ``plugins`` before they are v
 
 | llm-d | here |
 |---|---|
-| ``approx-prefix-cache-producer`` P | its parameters move to each ``prefix-cache-scorer`` reading P (``prefixMatchInfoProducerName``, or ``producer``; none named: the producer named ``approx-prefix-cache-producer``, if declared); P is not built |
+| ``approx-prefix-cache-producer`` P | its parameters move to each ``prefix-cache-scorer`` reading P (``prefixMatchInfoProducerName``, or ``producer``; none named: the producer named ``approx-prefix-cache-producer``, if declared; none declared: the scorer keeps its own defaults, not the producer's); P is not built |
 | ``disagg-profile-handler`` + decider | ``pd-profile-handler`` with the decider's rule: ``always-disagg-pd-decider`` -> ``always``, ``prefix-based-pd-decider`` -> ``nonCachedTokens`` and ``minPromptTokens`` (its ``promptTokens``), no decider -> never |
 | ``pd-profile-handler`` + ``deciderPluginName`` | the same (no ``deciderPluginName`` and a declared ``prefix-based-pd-decider``: that one, as upstream) |
 | ``pd-profile-handler``'s older ``threshold`` (characters) | ``always`` at 0, else ``nonCachedTokens`` = threshold / ``charsPerToken`` (rounded up) |
