@@ -407,6 +407,7 @@ class ActiveRequestScorer:
             return
         loads = self._loads
         loads.clear()
+        slow: list[float] = []
         if self._own:
             speeds = self._speeds
             speeds.clear()
@@ -418,38 +419,22 @@ class ActiveRequestScorer:
                 # 1/speed - 1/fastest is exactly 0 where speed is the fastest's.
                 loads.append(in_flight[endpoint.id] / speed + own * (1.0 / speed - fastest))
             if self._step_tokens:
-                self._score_slow_steps(request, candidates, loads, speeds, fastest, out)
-                return
+                # stepTokens: a slower class's fixed step counts beyond the span (which the
+                # loads without it set), so it lowers that endpoint without flattening the rest.
+                step = self._step_tokens
+                slow = [step * (1.0 / speed - fastest) for speed in speeds]
         else:
             for endpoint in candidates:
                 loads.append(in_flight[endpoint.id] / hardware.of(endpoint.labels).decode_speed)
         span = self._span(request, candidates, max(0.0, max(loads) - free))
         idle = self._idle
         for i, load in enumerate(loads):
-            over = load - free
-            out[i] = 1.0 if load <= idle or over <= 0.0 else 1.0 - over / span
-
-    def _score_slow_steps(
-        self,
-        request: LLMRequest,
-        candidates: Sequence[Endpoint],
-        loads: list[float],
-        speeds: list[float],
-        fastest: float,
-        out: list[float],
-    ) -> None:
-        """``stepTokens``: a slower class's fixed step cost counts as load beyond the span."""
-        free = self._free
-        span = self._span(request, candidates, max(0.0, max(loads) - free))
-        idle = self._idle
-        step = self._step_tokens
-        for i, load in enumerate(loads):
-            slow = step * (1.0 / speeds[i] - fastest)
-            if not slow and load <= idle:
+            extra = slow[i] if slow else 0.0
+            over = load + extra - free
+            if (load <= idle and not extra) or over <= 0.0:
                 out[i] = 1.0
-                continue
-            over = load + slow - free
-            out[i] = 1.0 if over <= 0.0 else max(0.0, 1.0 - over / span)
+            else:
+                out[i] = max(0.0, 1.0 - over / span)
 
     def _less_held(
         self, request: LLMRequest, candidates: Sequence[Endpoint], in_flight: InFlight
