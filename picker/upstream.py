@@ -152,8 +152,8 @@ def _read_producer(
     """Move the parameters of the producer ``entry`` reads onto it; the producer's index."""
     where = f"plugins[{index}] ({_name(entry)})"
     params = _params(entry, where)
-    named = params.pop("prefixMatchInfoProducerName", None) or params.pop("producer", None)
-    params.pop("producer", None)
+    older = params.pop("producer", None)  # the older spelling
+    named = params.pop("prefixMatchInfoProducerName", None) or older
     params = _hashing_params(params, where)  # the older scorer, which hashed by itself
     producer_name = named or APPROX_PRODUCER
     found = by_name.get(producer_name)
@@ -166,12 +166,7 @@ def _read_producer(
         if "parameters" in entry:
             entry["parameters"] = params
         return set()
-    producer_index, producer = found
-    if producer.get("type") == PRECISE_PRODUCER:
-        raise ConfigError(
-            f"{where}: reads {producer_name!r}, a {PRECISE_PRODUCER}: use "
-            "precise-prefix-cache-scorer (with its tokenizer) and the kvEvents section"
-        )
+    producer_index, producer = found  # a precise producer was refused by translate already
     if producer.get("type") != APPROX_PRODUCER:
         raise ConfigError(
             f"{where}.parameters.prefixMatchInfoProducerName: {producer_name!r} is a "
