@@ -79,6 +79,19 @@ choice had seen, by a rule written before they ran (``benchmarks/RESULTS.md`` se
 whole looks free with the prefix scorer's ``cappedMatchIsWhole``) and from 8,192 since the
 calibrated estimate at weight 1.5 joined it (confirmed on draws 67-69, below).
 
+``decodeBoundTokens`` (0: off) counts that many output tokens in the decode term, for prompts of
+at least ``decodeBoundMinPromptTokens`` (0), in place of ``decodeTokens`` and
+``decodeMinPromptTokens`` (with ``decodeExcess``) while every candidate is decode-bound: its in-flight prompt tokens are
+at least ``stepSeconds * kvReadTokensPerSecond``, so each of its decode steps reads more KV than
+weights. The idea: spread decode further only when no endpoint has decode to spare, leaving
+light load to the first token. Measured and not shipped: on the routing matrix's tuning half
+(draws 1-3, seeds 0-2) 96, 160, and 128 over every prompt passed 122, 121 and 120 pooled cells
+against the default's 123, each with a higher TTFT; read afterwards on ``long-doc-qa``, 96 passed
+25 against 24 with its worst throughput cell at 1.09x the best against 1.17x, but TTFT 4%
+higher and the worst TTFT mean cell 1.33x against 1.20x. Long documents make every endpoint
+decode-bound even at light load, so the condition does not tell load apart there
+(``benchmarks/RESULTS.md`` section 1).
+
 ``missCost`` (0: off) prices what a request's uncached prompt costs the requests already on
 the endpoint. Every one of them waits while it is computed: a queued request starts that much
 later, and a running one's decode steps carry the prompt's chunks. So the score ranks
@@ -337,7 +350,8 @@ Parameters (defaults): ``prefillTokensPerSecond`` (46000), ``attentionCrossoverT
 no slot term; set it to the engines' ``--max-num-seqs``: vLLM does not export it),
 ``outputTokens`` (256: the output length the slot term assumes until requests have ended),
 ``remotePrefillTokens`` (0: the endpoint prefills every prompt itself), ``decodeTokens`` (0),
-``decodeMinPromptTokens`` (0), ``decodeExcess`` (false),
+``decodeMinPromptTokens`` (0), ``decodeExcess`` (false), ``decodeBoundTokens`` (0),
+``decodeBoundMinPromptTokens`` (0),
 ``missCost`` (0), ``saturatedMissCost`` (0), ``saturatedAbove`` (0), ``saturatedQueue`` (fewest), ``missExcess`` (false), ``ownWaitingAtScrape`` (false), ``queueProgress`` (0: off),
 ``prefillCalibration`` (false), ``calibrationMinTokens`` (4096), ``calibrationSteps`` (false),
 ``calibrationFit`` (ratio), ``blockingCost`` (0), ``blockingWindowSeconds`` (10),
@@ -467,6 +481,8 @@ class PredictedLatencyParams:
     decodeTokens: Annotated[float, NonNegative] = 0.0
     decodeMinPromptTokens: Annotated[float, NonNegative] = 0.0
     decodeExcess: bool = False
+    decodeBoundTokens: Annotated[float, NonNegative] = 0.0
+    decodeBoundMinPromptTokens: Annotated[float, NonNegative] = 0.0
     missCost: Annotated[float, NonNegative] = 0.0
     saturatedMissCost: Annotated[float, NonNegative] = 0.0
     missExcess: bool = False
@@ -600,17 +616,33 @@ class PredictedLatencyScorer:
         rounds, k = divmod(excess - 1, min(self.params.maxNumSeqs, len(remaining)))
         return remaining[k] + rounds * life_s
 
-    def decode_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
+    def decode_s(
+        self, request: LLMRequest, endpoint: Endpoint, terms: tuple[float, float] | None = None
+    ) -> float:
         """``decode_s(e)``: the request's first ``decodeTokens`` decode steps on ``endpoint``
-        (0 when off, or for a prompt shorter than ``decodeMinPromptTokens``)."""
+        (0 when off, or for a prompt shorter than ``decodeMinPromptTokens``); ``terms`` gives
+        another (output tokens, least prompt tokens) pair in their place."""
         params = self.params
+        count, least = terms or (params.decodeTokens, params.decodeMinPromptTokens)
         total = prompt_tokens(request, params.charsPerToken)
-        if not params.decodeTokens or total < params.decodeMinPromptTokens:
+        if not count or total < least:
             return 0.0
         # Its own first decode steps, each reading the KV in flight plus its own.
         speed = self._hardware.of(endpoint.labels).decode_speed
         tokens = self._store.in_flight_tokens[endpoint.id] + total
-        return params.decodeTokens * (params.stepSeconds + tokens * self._read_s) / speed
+        return count * (params.stepSeconds + tokens * self._read_s) / speed
+
+    def decode_terms(self, candidates: Sequence[Endpoint]) -> tuple[float, float]:
+        """The decode term's (output tokens, least prompt tokens): ``decodeBoundTokens``'s
+        while every candidate's decode steps read more KV than weights, else
+        ``decodeTokens``'s."""
+        params = self.params
+        if params.decodeBoundTokens and self._read_s:
+            bound = params.stepSeconds / self._read_s
+            in_flight = self._store.in_flight_tokens
+            if all(in_flight[e.id] >= bound for e in candidates):
+                return params.decodeBoundTokens, params.decodeBoundMinPromptTokens
+        return params.decodeTokens, params.decodeMinPromptTokens
 
     def own_work_s(self, request: LLMRequest, endpoint: Endpoint) -> float:
         """``own_work_s(e)``: the seconds ``endpoint`` would spend computing this request's
@@ -824,13 +856,14 @@ class PredictedLatencyScorer:
     def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
         params = self.params
+        terms = self.decode_terms(candidates) if params.decodeExcess else None
         if (
-            params.decodeExcess
-            and params.decodeTokens
-            and prompt_tokens(request, params.charsPerToken) >= params.decodeMinPromptTokens
+            terms is not None
+            and terms[0]
+            and prompt_tokens(request, params.charsPerToken) >= terms[1]
         ):
             # Short prompts (most requests) skip the per-candidate pass: their term is 0.
-            decodes = [self.decode_s(request, e) for e in candidates]
+            decodes = [self.decode_s(request, e, terms) for e in candidates]
             least = min(decodes)
             for i, decode_s in enumerate(decodes):
                 predictions[i] += decode_s - least

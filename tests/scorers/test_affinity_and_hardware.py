@@ -671,6 +671,49 @@ def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_
         assert scores(short, store, request) == pytest.approx([1.0, 0.2 / 1.01])
 
 
+def test_predicted_latency_decode_bound_term_only_while_every_candidate_reads_more_kv() -> None:
+    # decodeBoundTokens: while every candidate's decode steps read more KV than weights (in-flight
+    # prompt tokens of at least stepSeconds * kvReadTokensPerSecond, 10,000 here), the decode
+    # term counts that many output tokens from decodeBoundMinPromptTokens; otherwise
+    # decodeTokens from decodeMinPromptTokens, as before.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
+    )
+    holder, idle = store.all()
+    store.in_flight_tokens[holder.id] = 190_000
+    bound = dataclasses.replace(
+        params,
+        decodeTokens=10,
+        decodeMinPromptTokens=20_000,  # above this 10,000-token prompt: the term is off
+        decodeExcess=True,
+        decodeBoundTokens=30,
+        decodeBoundMinPromptTokens=5_000,
+    )
+    scorer = PredictedLatencyScorer("p", bound, make_context(store))
+    plain = PredictedLatencyScorer(
+        "p", dataclasses.replace(bound, decodeBoundTokens=0), make_context(store)
+    )
+    # The idle endpoint reads no KV: not decode-bound, so the request's term is off as before.
+    assert scorer.decode_terms(store.all()) == (10, 20_000)
+    assert scores(scorer, store, request) == scores(plain, store, request)
+    assert scores(scorer, store, request) == pytest.approx([1.0, 0.2 / 1.01])
+    # At exactly the bound on the other (0.02 s steps there): 30 tokens from 5,000, each step
+    # on the holder 0.18 s longer, so holder 0.2 + 30 * 0.18, the other 1.0 + 0.02 + 0.
+    store.in_flight_tokens[idle.id] = 10_000
+    assert scorer.decode_terms(store.all()) == (30, 5_000)
+    assert scorer.decode_terms([holder]) == (30, 5_000)
+    assert scores(scorer, store, request) == pytest.approx([1.02 / (0.2 + 30 * 0.18), 1.0])
+    assert scores(plain, store, request) == pytest.approx([1.0, 0.2 / 1.02])
+    # Just below it, off again; and a prompt below decodeBoundMinPromptTokens has none.
+    store.in_flight_tokens[idle.id] = 9_999
+    assert scores(scorer, store, request) == scores(plain, store, request)
+    store.in_flight_tokens[idle.id] = 10_000
+    longer = PredictedLatencyScorer(
+        "p", dataclasses.replace(bound, decodeBoundMinPromptTokens=10_001), make_context(store)
+    )
+    assert scores(longer, store, request) == scores(plain, store, request)
+
+
 def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_prefills() -> None:
     # With prefillCalibration the prefill seconds (own and queued, and the miss costs' work)
     # are multiplied by the observed prefills' measured seconds over what the estimate gives
