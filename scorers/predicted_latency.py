@@ -79,11 +79,11 @@ choice had seen, by a rule written before they ran (``benchmarks/RESULTS.md`` se
 whole looks free with the prefix scorer's ``cappedMatchIsWhole``) and from 8,192 since the
 calibrated estimate at weight 1.5 joined it (confirmed on draws 67-69, below).
 
-``decodeBoundTokens`` (0: off) counts that many output tokens in the decode term, for prompts of
-at least ``decodeBoundMinPromptTokens`` (0), in place of ``decodeTokens`` and
-``decodeMinPromptTokens`` (with ``decodeExcess``) while every candidate is decode-bound: its in-flight prompt tokens are
-at least ``stepSeconds * kvReadTokensPerSecond``, so each of its decode steps reads more KV than
-weights. The idea: spread decode further only when no endpoint has decode to spare, leaving
+``decodeBoundTokens`` (0: off; needs ``decodeExcess``) counts that many output tokens in the
+decode term, for prompts of at least ``decodeBoundMinPromptTokens`` (0), in place of
+``decodeTokens`` and ``decodeMinPromptTokens`` while every candidate is decode-bound: its
+in-flight prompt tokens are at least ``stepSeconds * kvReadTokensPerSecond``, so each of its
+decode steps reads more KV than weights. The idea: spread decode further only when no endpoint has decode to spare, leaving
 light load to the first token. Measured and not shipped: on the routing matrix's tuning half
 (draws 1-3, seeds 0-2) 96, 160, and 128 over every prompt passed 122, 121 and 120 pooled cells
 against the default's 123, each with a higher TTFT; read afterwards on ``long-doc-qa``, 96 passed
@@ -506,6 +506,14 @@ class PredictedLatencyScorer:
     Params = PredictedLatencyParams
 
     def __init__(self, name: str, params: PredictedLatencyParams, ctx: BuildContext) -> None:
+        if params.decodeBoundTokens and not params.decodeExcess:
+            raise ValueError("decodeBoundTokens needs decodeExcess: true")
+        if params.decodeBoundTokens and not params.kvReadTokensPerSecond:
+            raise ValueError(
+                "decodeBoundTokens needs kvReadTokensPerSecond (the bound is stepSeconds times it)"
+            )
+        if params.decodeBoundMinPromptTokens and not params.decodeBoundTokens:
+            raise ValueError("decodeBoundMinPromptTokens needs decodeBoundTokens")
         self.name = name
         self.params = params
         self._store = ctx.store

@@ -29,7 +29,7 @@ from kv_picker.state.hardware import (
     HARDWARE_CLASS_LABEL,
     HardwareTable,
 )
-from tests.fakes import ManualClock, make_context, make_request, make_store
+from tests.fakes import ManualClock, make_context, make_request, make_scheduler, make_store
 
 
 def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
@@ -691,7 +691,9 @@ def test_predicted_latency_decode_bound_term_only_while_every_candidate_reads_mo
     )
     scorer = PredictedLatencyScorer("p", bound, make_context(store))
     plain = PredictedLatencyScorer(
-        "p", dataclasses.replace(bound, decodeBoundTokens=0), make_context(store)
+        "p",
+        dataclasses.replace(bound, decodeBoundTokens=0, decodeBoundMinPromptTokens=0),
+        make_context(store),
     )
     # The idle endpoint reads no KV: not decode-bound, so the request's term is off as before.
     assert scorer.decode_terms(store.all()) == (10, 20_000)
@@ -712,6 +714,34 @@ def test_predicted_latency_decode_bound_term_only_while_every_candidate_reads_mo
         "p", dataclasses.replace(bound, decodeBoundMinPromptTokens=10_001), make_context(store)
     )
     assert scores(longer, store, request) == scores(plain, store, request)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "match"),
+    [
+        ({"decodeBoundTokens": 96}, "decodeBoundTokens needs decodeExcess"),
+        (
+            {"decodeBoundTokens": 96, "decodeExcess": True, "kvReadTokensPerSecond": 0},
+            "decodeBoundTokens needs kvReadTokensPerSecond",
+        ),
+        (
+            {"decodeBoundMinPromptTokens": 8192},
+            "decodeBoundMinPromptTokens needs decodeBoundTokens",
+        ),
+    ],
+)
+def test_predicted_latency_decode_bound_without_what_it_needs_is_a_config_error(
+    parameters: dict[str, object], match: str
+) -> None:
+    # Each would load and change nothing; the config is refused with the reason instead.
+    document = {
+        "plugins": [
+            {"type": "predicted-latency-scorer", "parameters": parameters},
+            {"type": "max-score-picker"},
+        ],
+    }
+    with pytest.raises(ConfigError, match=match):
+        make_scheduler(document, make_store(2))
 
 
 def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_prefills() -> None:
