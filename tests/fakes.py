@@ -72,6 +72,17 @@ def make_context(store: EndpointStore, seed: int = 0) -> BuildContext:
     return BuildContext(store, random.Random(seed), store.now, metrics_staleness_s=2.0)
 
 
+def one_scorer_document(plugin_type: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """An EndpointPickerConfig document of one ``plugin_type`` with ``parameters`` and a
+    max-score picker: what a test of a plugin's parameter checks loads."""
+    return {
+        "plugins": [
+            {"type": plugin_type, "parameters": parameters},
+            {"type": "max-score-picker"},
+        ],
+    }
+
+
 def make_scheduler(document: dict[str, Any], store: EndpointStore, seed: int = 0) -> Scheduler:
     config = parse_config(document, builtin_registry(include_entry_points=False))
     return Scheduler(config, builtin_registry(False), make_context(store, seed), PickerMetrics())

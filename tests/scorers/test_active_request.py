@@ -20,6 +20,7 @@ from tests.fakes import (
     make_request,
     make_scheduler,
     make_store,
+    one_scorer_document,
 )
 
 
@@ -211,14 +212,8 @@ def test_step_tokens_charge_a_slow_class_its_fixed_step_without_flattening_the_r
 
 def _refused(parameters: dict[str, object], match: str) -> None:
     """An active-request-scorer with these parameters is a config error matching ``match``."""
-    document = {
-        "plugins": [
-            {"type": "active-request-scorer", "parameters": parameters},
-            {"type": "max-score-picker"},
-        ],
-    }
     with pytest.raises(ConfigError, match=match):
-        make_scheduler(document, make_store(2))
+        make_scheduler(one_scorer_document("active-request-scorer", parameters), make_store(2))
 
 
 def test_own_decode_without_per_hardware_is_a_config_error() -> None:

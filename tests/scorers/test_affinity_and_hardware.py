@@ -29,7 +29,14 @@ from kv_picker.state.hardware import (
     HARDWARE_CLASS_LABEL,
     HardwareTable,
 )
-from tests.fakes import ManualClock, make_context, make_request, make_scheduler, make_store
+from tests.fakes import (
+    ManualClock,
+    make_context,
+    make_request,
+    make_scheduler,
+    make_store,
+    one_scorer_document,
+)
 
 
 def scores(scorer, store, request=None) -> list[float]:  # type: ignore[no-untyped-def]
@@ -734,14 +741,8 @@ def test_predicted_latency_decode_bound_without_what_it_needs_is_a_config_error(
     parameters: dict[str, object], match: str
 ) -> None:
     # Each would load and change nothing; the config is refused with the reason instead.
-    document = {
-        "plugins": [
-            {"type": "predicted-latency-scorer", "parameters": parameters},
-            {"type": "max-score-picker"},
-        ],
-    }
     with pytest.raises(ConfigError, match=match):
-        make_scheduler(document, make_store(2))
+        make_scheduler(one_scorer_document("predicted-latency-scorer", parameters), make_store(2))
 
 
 def test_predicted_latency_prefill_calibration_scales_prefill_by_the_observed_prefills() -> None:

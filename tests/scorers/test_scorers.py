@@ -25,6 +25,7 @@ from tests.fakes import (
     make_request,
     make_scheduler,
     make_store,
+    one_scorer_document,
 )
 
 
@@ -389,14 +390,8 @@ def test_full_yield_free_yields_only_to_a_candidate_with_room(free: int, yields:
 def test_prefix_cache_rejects_bad_yield_parameters(
     parameters: dict[str, int], message: str
 ) -> None:
-    document = {
-        "plugins": [
-            {"type": "prefix-cache-scorer", "parameters": parameters},
-            {"type": "max-score-picker"},
-        ],
-    }
     with pytest.raises(ConfigError, match=message):
-        make_scheduler(document, make_store(2))
+        make_scheduler(one_scorer_document("prefix-cache-scorer", parameters), make_store(2))
 
 
 def test_pending_yield_decode_counts_tokens_in_flight_per_decode_speed() -> None:
