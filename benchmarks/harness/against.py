@@ -244,6 +244,21 @@ def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> lis
     return merged
 
 
+def candidate_runs(path: Path) -> dict[int, dict[Cell, dict[str, PolicyMetrics]]]:
+    """The candidates' own runs an ``against.json`` (or ``.json.gz``) keeps, per draw and cell:
+    what :func:`merge` adds to the stored cells, read back so that a stored run can be judged
+    again (with other policies among them) without running it again."""
+    runs: dict[int, dict[Cell, dict[str, PolicyMetrics]]] = {}
+    for draw, rows in read_json(path)["runs"].items():
+        runs[int(draw)] = {
+            Cell(r["family"], r["load"], r["cluster"], r["timing"]): {
+                name: PolicyMetrics(**figures) for name, figures in r["policies"].items()
+            }
+            for r in rows
+        }
+    return runs
+
+
 def judged_alone(result: CellResult, name: str, candidates: Sequence[str]) -> CellResult:
     """The cell as ``name`` is judged: it and the stored policies other than the stored
     default and the other candidates."""

@@ -11,14 +11,11 @@ does it lose, and how do the two compare head to head. Run from the repository r
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import math
 from pathlib import Path
 
 from kv_picker_bench.harness import against
 from kv_picker_bench.harness import matrix as m
-from kv_picker_bench.harness.report import PolicyMetrics
 
 STORED = Path("benchmarks/results/matrix-seeds")
 RUN = Path("benchmarks/results/llm-d-default/against.json.gz")
@@ -27,16 +24,12 @@ FIGURES = ("TTFT mean", "TTFT p90", "throughput")
 
 
 def main() -> None:
-    data = json.loads(gzip.decompress(RUN.read_bytes()))
+    runs = against.candidate_runs(RUN)
     per_draw = {}
     for draw in (1, 2, 3):
         cells = against.load_stored(against.stored_figures(STORED / f"draw-{draw}"), draw, False)
-        runs = {
-            m.Cell(r["family"], r["load"], r["cluster"], r["timing"]): r["policies"][NAME]
-            for r in data["runs"][str(draw)]
-        }
         per_draw[draw] = [
-            dataclasses.replace(r, metrics={**r.metrics, NAME: PolicyMetrics(**runs[cell])})
+            dataclasses.replace(r, metrics={**r.metrics, NAME: runs[draw][cell][NAME]})
             for cell, r in cells.items()
         ]
     pooled = m.pooled_results(per_draw)

@@ -3,6 +3,7 @@ the default would be, never against each other."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import shutil
@@ -15,6 +16,7 @@ from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
 from kv_picker_bench.harness import matrix
 from kv_picker_bench.harness.against import (
     against_report,
+    candidate_runs,
     judge,
     load_stored,
     per_seed_counts,
@@ -74,6 +76,16 @@ def test_a_candidate_equal_to_the_default_gets_the_stored_defaults_verdicts(
             assert rows[(name, split)]["passed"] == passed
             assert rows[(name, split)]["pooled"] == pooled
     assert rows[("same", "all")]["cells"] == 2
+    # Read back, the runs are the stored default's figures cell by cell.
+    back = candidate_runs(out / "against.json")
+    assert sorted(back) == [1, 3]
+    for draw, cells in back.items():
+        stored_cells = load_stored(stored / f"draw-{draw}" / "matrix.json", draw, True)
+        assert set(cells) == set(stored_cells)
+        for cell, policies in cells.items():
+            assert list(policies) == ["same"]
+            mine = dataclasses.replace(policies["same"], policy="kv-picker", wall_s=0.0)
+            assert mine == dataclasses.replace(stored_cells[cell].metrics["kv-picker"], wall_s=0.0)
     text = (out / "against.md").read_text()
     assert "| same | all | 2 |" in text and "| kv-picker | all | 2 |" in text
 

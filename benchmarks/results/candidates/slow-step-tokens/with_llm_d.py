@@ -11,13 +11,10 @@ root:
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 from pathlib import Path
 
 from kv_picker_bench.harness import against
 from kv_picker_bench.harness import matrix as m
-from kv_picker_bench.harness.report import PolicyMetrics
 
 STORED = Path("benchmarks/results/matrix-seeds")
 HERE = Path("benchmarks/results/candidates/slow-step-tokens")
@@ -30,36 +27,23 @@ TUNING = {"conversation", "shared-prefix", "chat", "zipf-prefix", "agentic"}
 
 
 def main() -> None:
-    runs = {name: json.loads(gzip.decompress(path.read_bytes())) for name, path in RUNS.items()}
+    runs = {name: against.candidate_runs(path) for name, path in RUNS.items()}
     screened = [name for name in RUNS if name != "llm-d-default"]
     per_draw = {}
     for draw in (1, 2, 3):
         cells = against.load_stored(against.stored_figures(STORED / f"draw-{draw}"), draw, False)
-        added: dict[m.Cell, dict[str, PolicyMetrics]] = {}
-        for name, data in runs.items():
-            for r in data["runs"][str(draw)]:
-                cell = m.Cell(r["family"], r["load"], r["cluster"], r["timing"])
-                added.setdefault(cell, {})[name] = PolicyMetrics(**r["policies"][name])
         per_draw[draw] = [
-            dataclasses.replace(r, metrics={**r.metrics, **added[cell]})
+            dataclasses.replace(
+                r, metrics={**r.metrics, **{n: runs[n][draw][cell][n] for n in RUNS}}
+            )
             for cell, r in cells.items()
-            if set(added.get(cell, {})) == set(RUNS)
+            if all(cell in runs[n][draw] for n in RUNS)
         ]
     pooled = m.pooled_results(per_draw)
     for judged in ("kv-picker", *screened):
-        drop = {n for n in screened if n != judged} | (
-            {"kv-picker"} if judged != "kv-picker" else set()
-        )
+        # Judged as the default is: without the stored default and the other candidates.
         verdicts = [
-            (
-                r.cell,
-                m.default_verdict(
-                    dataclasses.replace(
-                        r, metrics={k: v for k, v in r.metrics.items() if k not in drop}
-                    ),
-                    judged,
-                ),
-            )
+            (r.cell, m.default_verdict(against.judged_alone(r, judged, screened), judged))
             for r in pooled
         ]
         passed = [cell for cell, v in verdicts if v is not None and v.passed]
