@@ -482,9 +482,12 @@ class KubernetesDiscoveryConfig:
     """``discovery.kubernetes``: endpoints from the Kubernetes API
     (:mod:`kv_picker.sources.kubernetes`).
 
-    Either ``inferencePool`` (an ``inference.networking.k8s.io/v1`` InferencePool in
-    ``namespace``, whose selector and target ports are followed as they change) or a
-    ``selector`` (matchLabels) with ``targetPorts`` (1 to 8 ports, as the InferencePool allows).
+    Either ``inferencePool`` (an InferencePool in ``namespace``, whose selector and target
+    ports are followed as they change) or a ``selector`` (matchLabels) with ``targetPorts`` (1 to
+    8 ports, as the InferencePool allows). ``inferencePoolGroup`` is the pool's API group, as the
+    reference EPP's ``--pool-group``: ``inference.networking.k8s.io`` (the default, the ``v1``
+    API) or ``inference.networking.x-k8s.io`` (the older ``v1alpha2`` API, whose pools have a
+    plain label map for ``selector`` and one ``targetPortNumber``).
     Credentials: ``kubeconfig`` when given, else the pod's service account, else the default
     kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``). ``watchTimeout`` is how long one watch
     request may last before it is renewed from its resourceVersion; a stream that breaks is
@@ -494,6 +497,9 @@ class KubernetesDiscoveryConfig:
 
     namespace: Annotated[str, NonEmpty]
     inference_pool: Annotated[str, NonEmpty] | None = None
+    inference_pool_group: (
+        Literal["inference.networking.k8s.io", "inference.networking.x-k8s.io"] | None
+    ) = None
     selector: Mapping[str, str] | None = None
     target_ports: tuple[Annotated[int, Range(ge=1, le=65535)], ...] = ()
     kubeconfig: Annotated[str, NonEmpty] | None = None
@@ -513,6 +519,8 @@ class KubernetesDiscoveryConfig:
             raise FieldError(
                 "inferencePool", "give either inferencePool or selector (with targetPorts)"
             )
+        if self.inference_pool_group is not None and self.inference_pool is None:
+            raise FieldError("inferencePoolGroup", "applies to inferencePool only")
         if self.inference_pool is not None:
             if self.target_ports:
                 raise FieldError(

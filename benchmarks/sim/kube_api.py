@@ -8,6 +8,7 @@ through a generated kubeconfig (:meth:`FakeKubeApi.write_kubeconfig`).
 ```
 GET /api/v1/namespaces/{ns}/pods[/{name}]
 GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]
+GET /apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools[/{name}]
     labelSelector      k=v, k==v, k!=v, k, !k  (comma: all of them)
     fieldSelector      metadata.name=..., metadata.namespace=...
     watch=true         chunked stream of JSON lines {"type": ..., "object": ...}
@@ -53,10 +54,23 @@ import yaml
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+ALPHA_POOL_GROUP = "inference.networking.x-k8s.io"
+ALPHA_POOL_VERSION = "v1alpha2"
 PODS = "pods"
 POOLS = "inferencepools"
-_KINDS = {PODS: ("v1", "Pod"), POOLS: (f"{POOL_GROUP}/{POOL_VERSION}", "InferencePool")}
-_PREFIXES = {"/api/v1/namespaces/": PODS, f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/": POOLS}
+# The older API's pools are another resource (another CRD), named as kubectl names it.
+ALPHA_POOLS = f"inferencepools.{ALPHA_POOL_GROUP}"
+_KINDS = {
+    PODS: ("v1", "Pod"),
+    POOLS: (f"{POOL_GROUP}/{POOL_VERSION}", "InferencePool"),
+    ALPHA_POOLS: (f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}", "InferencePool"),
+}
+_POOL_RESOURCES = {POOL_GROUP: POOLS, ALPHA_POOL_GROUP: ALPHA_POOLS}
+_PREFIXES = {
+    "/api/v1/namespaces/": PODS,
+    f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/": POOLS,
+    f"/apis/{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}/namespaces/": ALPHA_POOLS,
+}
 
 
 class SelectorError(ValueError):
@@ -406,19 +420,38 @@ class FakeKubeApi:
         selector: Mapping[str, str],
         target_ports: Sequence[int],
         namespace: str | None = None,
+        group: str = POOL_GROUP,
     ) -> dict[str, Any]:
-        """Create or update an ``inference.networking.k8s.io/v1`` InferencePool."""
+        """Create or update an InferencePool: ``inference.networking.k8s.io/v1``, or with
+        ``group=ALPHA_POOL_GROUP`` the older ``v1alpha2`` (at most one target port: its
+        ``targetPortNumber``; none leaves it out, an invalid pool)."""
         namespace = namespace or self.namespace
-        spec = {
-            "selector": {"matchLabels": dict(selector)},
-            "targetPorts": [{"number": port} for port in target_ports],
-            "endpointPickerRef": {"kind": "Service", "name": "kv-picker", "port": {"number": 9002}},
-        }
+        resource = _POOL_RESOURCES[group]
+        spec: dict[str, Any]
+        if resource == POOLS:
+            spec = {
+                "selector": {"matchLabels": dict(selector)},
+                "targetPorts": [{"number": port} for port in target_ports],
+                "endpointPickerRef": {
+                    "kind": "Service",
+                    "name": "kv-picker",
+                    "port": {"number": 9002},
+                },
+            }
+        else:
+            if len(target_ports) > 1:
+                raise ValueError("a v1alpha2 InferencePool has one target port")
+            spec = {
+                "selector": dict(selector),
+                "extensionRef": {"kind": "Service", "name": "kv-picker", "portNumber": 9002},
+            }
+            if target_ports:
+                spec["targetPortNumber"] = target_ports[0]
         with self._cond:
-            current = self._objects.get((POOLS, namespace, name))
+            current = self._objects.get((resource, namespace, name))
             if current is None:
                 pool: dict[str, Any] = {
-                    "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
+                    "apiVersion": _KINDS[resource][0],
                     "kind": "InferencePool",
                     "metadata": {
                         "name": name,
@@ -433,13 +466,14 @@ class FakeKubeApi:
                 pool = json.loads(json.dumps(current))
                 pool["spec"] = spec
                 pool["metadata"]["generation"] = pool["metadata"].get("generation", 1) + 1
-            result = self._commit(POOLS, namespace, name, pool)
+            result = self._commit(resource, namespace, name, pool)
             assert result is not None
             return result
 
-    def delete_pool(self, name: str, namespace: str | None = None) -> None:
+    def delete_pool(self, name: str, namespace: str | None = None, group: str = POOL_GROUP) -> None:
+        resource = _POOL_RESOURCES[group]
         with self._cond:
-            self._commit(POOLS, namespace or self.namespace, name, None)
+            self._commit(resource, namespace or self.namespace, name, None)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -766,8 +800,9 @@ def _route(path: str) -> tuple[str, str, str | None] | None:
     for prefix, resource in _PREFIXES.items():
         if path.startswith(prefix):
             parts = path[len(prefix) :].strip("/").split("/")
-            if len(parts) == 2 and parts[1] == resource:
+            plural = resource.split(".", 1)[0]
+            if len(parts) == 2 and parts[1] == plural:
                 return resource, parts[0], None
-            if len(parts) == 3 and parts[1] == resource:
+            if len(parts) == 3 and parts[1] == plural:
                 return resource, parts[0], parts[2]
     return None

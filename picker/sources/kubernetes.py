@@ -10,6 +10,11 @@ annotated ``llm-d.ai/active-ports`` (or ``inference.networking.k8s.io/active-por
 terminating leaves the store at the event: it takes no new requests, and requests already
 routed to it finish (they hold their endpoint, see :meth:`EndpointStore.set_endpoints`).
 
+The pool is read from ``inference.networking.k8s.io/v1`` by default, or, with
+``inferencePoolGroup: inference.networking.x-k8s.io``, from the older ``v1alpha2`` API that
+pools made by the Gateway API Inference Extension before its 1.0 still use: the same pods and
+ports, spelled ``spec.selector: {app: vllm}`` and ``spec.targetPortNumber: 8000``.
+
 ```
  thread "k8s-pool" (with inferencePool)            thread "k8s-pods"
    list inferencepools name=POOL                     list pods labelSelector=<pool selector>
@@ -50,13 +55,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from kv_picker.config import KubernetesDiscoveryConfig
 from kv_picker.endpoint import EndpointSpec
@@ -68,6 +74,11 @@ log = logging.getLogger(__name__)
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+# The group the Gateway API Inference Extension served InferencePools from before its v1
+# (``inferencePoolGroup: inference.networking.x-k8s.io``), and that group's last version.
+ALPHA_POOL_GROUP = "inference.networking.x-k8s.io"
+ALPHA_POOL_VERSION = "v1alpha2"
+POOL_VERSIONS = {POOL_GROUP: POOL_VERSION, ALPHA_POOL_GROUP: ALPHA_POOL_VERSION}
 POOL_PLURAL = "inferencepools"
 ACTIVE_PORTS_ANNOTATIONS = ("llm-d.ai/active-ports", "inference.networking.k8s.io/active-ports")
 POOLS = "inferencepools"
@@ -145,25 +156,47 @@ class PoolSpec:
     target_ports: tuple[int, ...]
 
     @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> PoolSpec:
-        """Read an ``inference.networking.k8s.io/v1`` InferencePool.
+    def from_object(cls, obj: Mapping[str, Any], version: str = POOL_VERSION) -> PoolSpec:
+        """Read an InferencePool of API ``version``.
+
+        ``v1`` (``inference.networking.k8s.io``): the pods are ``spec.selector.matchLabels``,
+        the ports ``spec.targetPorts[].number`` (1 to 8). ``v1alpha2``
+        (``inference.networking.x-k8s.io``): the pods are ``spec.selector``, a plain label map,
+        and the one port is ``spec.targetPortNumber``.
 
         Raises:
-            ValueError: no ``spec.selector.matchLabels``, or no valid ``spec.targetPorts``.
+            ValueError: the selector is missing, empty or not a label map, or the ports are
+                missing or invalid.
         """
         spec = obj.get("spec") or {}
-        match_labels = (spec.get("selector") or {}).get("matchLabels")
-        if not isinstance(match_labels, Mapping) or not match_labels:
-            raise ValueError("spec.selector.matchLabels is missing or empty")
+        alpha = version == ALPHA_POOL_VERSION
+        selector = spec.get("selector")
+        if alpha:
+            labels, where = selector, "spec.selector"
+        else:
+            labels = selector.get("matchLabels") if isinstance(selector, Mapping) else None
+            where = "spec.selector.matchLabels"
+        if not isinstance(labels, Mapping) or not labels:
+            raise ValueError(f"{where} is missing or empty")
+        if not all(isinstance(v, str) for v in labels.values()):
+            raise ValueError(f"{where} must map label names to string values")
         ports: list[int] = []
-        for entry in spec.get("targetPorts") or ():
-            number = entry.get("number") if isinstance(entry, Mapping) else None
-            if not isinstance(number, int) or not 0 < number < 65536 or number in ports:
-                raise ValueError(f"spec.targetPorts: bad or repeated port {number!r}")
-            ports.append(number)
-        if not ports:
-            raise ValueError("spec.targetPorts is missing or empty")
-        return cls({str(k): str(v) for k, v in match_labels.items()}, tuple(ports))
+        if alpha:
+            port = spec.get("targetPortNumber")
+            if port is None:
+                raise ValueError("spec.targetPortNumber is missing")
+            if not _valid_port(port):
+                raise ValueError(f"spec.targetPortNumber: bad port {port!r}")
+            ports.append(port)
+        else:
+            for entry in spec.get("targetPorts") or ():
+                number = entry.get("number") if isinstance(entry, Mapping) else None
+                if not _valid_port(number) or number in ports:
+                    raise ValueError(f"spec.targetPorts: bad or repeated port {number!r}")
+                ports.append(number)
+            if not ports:
+                raise ValueError("spec.targetPorts is missing or empty")
+        return cls({str(k): v for k, v in labels.items()}, tuple(ports))
 
     def label_selector(self) -> str:
         """The selector as a ``labelSelector`` query (``k=v,...``)."""
@@ -171,6 +204,10 @@ class PoolSpec:
 
     def selects(self, labels: Mapping[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.selector.items())
+
+
+def _valid_port(number: Any) -> TypeGuard[int]:
+    return isinstance(number, int) and not isinstance(number, bool) and 0 < number < 65536
 
 
 def endpoint_specs(pods: Iterable[PodView], pool: PoolSpec) -> list[EndpointSpec]:
@@ -531,8 +568,15 @@ class KubernetesDiscovery:
     def description(self) -> str:
         s = self.settings
         if s.inference_pool is not None:
-            return f"InferencePool {s.namespace}/{s.inference_pool}"
+            name = f"InferencePool {s.namespace}/{s.inference_pool}"
+            group = self.pool_group
+            return name if group == POOL_GROUP else f"{name} ({group}/{POOL_VERSIONS[group]})"
         return f"pods {s.namespace}/{PoolSpec(dict(s.selector or {}), ()).label_selector()}"
+
+    @property
+    def pool_group(self) -> str:
+        """The API group the InferencePool is read from."""
+        return self.settings.inference_pool_group or POOL_GROUP
 
     async def connect(self) -> None:
         """Load credentials (in a thread: it reads files, may run an exec plugin).
@@ -567,14 +611,16 @@ class KubernetesDiscovery:
         if settings.inference_pool is not None:
             custom = client.CustomObjectsApi(self._api_client)
             by_name = {"field_selector": f"metadata.name={settings.inference_pool}"}
+            group = self.pool_group
+            version = POOL_VERSIONS[group]
             self._watches.append(
                 _ListWatch(
                     POOLS,
                     lambda **kw: custom.list_namespaced_custom_object(
-                        POOL_GROUP, POOL_VERSION, settings.namespace, POOL_PLURAL, **kw
+                        group, version, settings.namespace, POOL_PLURAL, **kw
                     ),
                     lambda: by_name,
-                    _parse_pool,
+                    functools.partial(_parse_pool, version=version),
                     self._from_thread(self._on_pools),
                     self.metrics,
                     backoff,
@@ -722,8 +768,8 @@ class _InvalidPool:
     problem: str
 
 
-def _parse_pool(obj: Mapping[str, Any]) -> PoolSpec | _InvalidPool:
+def _parse_pool(obj: Mapping[str, Any], version: str = POOL_VERSION) -> PoolSpec | _InvalidPool:
     try:
-        return PoolSpec.from_object(obj)
+        return PoolSpec.from_object(obj, version)
     except ValueError as exc:
         return _InvalidPool(str(exc))

@@ -80,7 +80,22 @@ STATIC_ENDPOINTS: dict[str, Any] = {
     "dashboard": {"enabled": False},
     "config": {"endpoints": [{"address": "10.0.0.7:8000"}]},
 }
-VALUE_SETS = {"defaults": {}, "everything-on": EVERYTHING_ON, "static-endpoints": STATIC_ENDPOINTS}
+# A gateway still on the Gateway API Inference Extension's v1alpha2 API, switching pickers: its
+# pool stays as it is, and the chart points the picker, the Role and the route at it.
+EXISTING_ALPHA_POOL: dict[str, Any] = {
+    "inferencePool": {
+        "create": False,
+        "group": "inference.networking.x-k8s.io",
+        "name": "vllm-llama3-8b-instruct",
+    },
+    "httpRoute": {"enabled": True, "parentRefs": [{"name": "inference-gateway"}]},
+}
+VALUE_SETS = {
+    "defaults": {},
+    "everything-on": EVERYTHING_ON,
+    "static-endpoints": STATIC_ENDPOINTS,
+    "existing-v1alpha2-pool": EXISTING_ALPHA_POOL,
+}
 
 
 def render(values: dict[str, Any] | None = None) -> list[Manifest]:
@@ -520,6 +535,38 @@ def test_the_dashboard_ships_in_a_sidecar_configmap() -> None:
     assert [m["metadata"]["name"] for m in without if m["kind"] == "ConfigMap"] == ["gw-kv-picker"]
 
 
+def test_an_existing_v1alpha2_pool_is_followed_not_created(tmp_path: Path) -> None:
+    manifests = render(EXISTING_ALPHA_POOL)
+    assert "InferencePool" not in kinds(manifests)
+    config = load_picker_config(manifests, tmp_path)
+    assert config.discovery is not None
+    kubernetes = config.discovery.kubernetes
+    assert (kubernetes.inference_pool, kubernetes.inference_pool_group) == (
+        "vllm-llama3-8b-instruct",
+        "inference.networking.x-k8s.io",
+    )
+    pool_rule = find(manifests, "Role")["rules"][1]
+    assert pool_rule["apiGroups"] == ["inference.networking.x-k8s.io"]
+    assert pool_rule["resources"] == ["inferencepools"]
+    (rule,) = find(manifests, "HTTPRoute")["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {
+            "group": "inference.networking.x-k8s.io",
+            "kind": "InferencePool",
+            "name": "vllm-llama3-8b-instruct",
+        }
+    ]
+    # An existing v1 pool: not rendered, and the config leaves the group at its default.
+    v1 = {"inferencePool": {"create": False, "name": "llama"}}
+    manifests = render(v1)
+    assert "InferencePool" not in kinds(manifests)
+    config = load_picker_config(manifests, tmp_path)
+    assert config.discovery is not None
+    assert config.discovery.kubernetes.inference_pool == "llama"
+    assert config.discovery.kubernetes.inference_pool_group is None
+    assert find(manifests, "Role")["rules"][1]["apiGroups"] == ["inference.networking.k8s.io"]
+
+
 def test_static_endpoints_without_the_pool(tmp_path: Path) -> None:
     manifests = render(STATIC_ENDPOINTS)
     assert "InferencePool" not in kinds(manifests) and "Role" not in kinds(manifests)
@@ -646,6 +693,10 @@ def test_workers_run_under_a_supervisor_probed_over_http(tmp_path: Path) -> None
         {"inferencePool": {"targetPorts": list(range(8000, 8009))}},
         {"inferencePool": {"targetPorts": [8000, 8000]}},
         {"inferencePool": {"failureMode": "FailSometimes"}},
+        {"inferencePool": {"create": False}},  # an existing pool must be named
+        {"inferencePool": {"create": False, "name": ""}},
+        {"inferencePool": {"group": "inference.networking.x-k8s.io"}},  # the chart renders v1
+        {"inferencePool": {"create": False, "name": "p", "group": "inference.example.com"}},
         {"httpRoute": {"enabled": True}},  # no parentRefs
         {
             "httpRoute": {"enabled": True, "parentRefs": [{"name": "gw"}]},

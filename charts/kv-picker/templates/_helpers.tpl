@@ -69,6 +69,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $config "server" (merge $server (default (dict) $config.server)) -}}
 {{- if .Values.inferencePool.enabled -}}
 {{- $kubernetes := dict "namespace" .Release.Namespace "inferencePool" (include "kv-picker.poolName" .) -}}
+{{- if ne .Values.inferencePool.group "inference.networking.k8s.io" -}}
+{{- $_ := set $kubernetes "inferencePoolGroup" .Values.inferencePool.group -}}
+{{- end -}}
 {{- $_ := set $config "discovery" (dict "kubernetes" $kubernetes) -}}
 {{- end -}}
 {{- if .Values.valkey.enabled -}}

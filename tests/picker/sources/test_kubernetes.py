@@ -31,7 +31,7 @@ from kv_picker.sources.kubernetes import (
     endpoint_specs,
 )
 from kv_picker.state.endpoints import EndpointStore
-from kv_picker_bench.sim.kube_api import PODS, FakeKubeApi
+from kv_picker_bench.sim.kube_api import ALPHA_POOL_GROUP, ALPHA_POOLS, PODS, FakeKubeApi
 
 NS = "llm"
 APP = {"app": "vllm"}
@@ -171,6 +171,38 @@ def test_a_malformed_pool_is_refused(spec: dict[str, Any], problem: str) -> None
         PoolSpec.from_object({"spec": spec})
 
 
+def test_a_v1alpha2_pool_reads_as_the_same_pods_and_port() -> None:
+    alpha = {"selector": APP, "targetPortNumber": 8000, "extensionRef": {"name": "epp"}}
+    v1 = {"selector": {"matchLabels": APP}, "targetPorts": [{"number": 8000}]}
+    assert PoolSpec.from_object({"spec": alpha}, "v1alpha2") == PoolSpec(APP, (8000,))
+    assert PoolSpec.from_object({"spec": v1}, "v1") == PoolSpec(APP, (8000,))
+    # Each version's shape is refused under the other: a pool is never half-read.
+    with pytest.raises(ValueError, match=r"spec\.selector must map label names"):
+        PoolSpec.from_object({"spec": v1}, "v1alpha2")
+    with pytest.raises(ValueError, match=r"spec\.selector\.matchLabels is missing"):
+        PoolSpec.from_object({"spec": alpha}, "v1")
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ({"targetPortNumber": 8000}, "spec.selector is missing or empty"),
+        ({"selector": {}, "targetPortNumber": 8000}, "spec.selector is missing or empty"),
+        (
+            {"selector": {"matchLabels": APP}, "targetPortNumber": 8000},
+            "spec.selector must map label names to string values",
+        ),
+        ({"selector": APP}, "spec.targetPortNumber is missing"),
+        ({"selector": APP, "targetPortNumber": 0}, "bad port 0"),
+        ({"selector": APP, "targetPortNumber": "8000"}, "bad port '8000'"),
+        ({"selector": APP, "targetPortNumber": True}, "bad port True"),
+    ],
+)
+def test_a_malformed_v1alpha2_pool_is_refused(spec: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        PoolSpec.from_object({"spec": spec}, "v1alpha2")
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     import random
 
@@ -209,6 +241,19 @@ def test_backoff_doubles_up_to_its_cap() -> None:
             "discovery.kubernetes.backoffMax",
         ),
         ({"namespace": NS, "inferencePool": "p", "pool": "x"}, "unknown field(s) pool"),
+        (
+            {"namespace": NS, "inferencePool": "p", "inferencePoolGroup": "inference.k8s.io"},
+            "discovery.kubernetes.inferencePoolGroup",
+        ),
+        (
+            {
+                "namespace": NS,
+                "selector": APP,
+                "targetPorts": [8000],
+                "inferencePoolGroup": "inference.networking.x-k8s.io",
+            },
+            "discovery.kubernetes.inferencePoolGroup: applies to inferencePool only",
+        ),
     ],
 )
 def test_config_errors_name_the_field(document: dict[str, Any], message: str) -> None:
@@ -357,6 +402,35 @@ async def test_pool_selector_and_ports_change_at_runtime(kube: FakeKubeApi, tmp_
         await wait_for(lambda: len(store) == 0, "no endpoints without the pool")
         kube.apply_pool("pool", APP, [8000])
         await wait_for(lambda: addresses(store) == {"127.0.0.11:8000"}, "the pool again")
+
+
+async def test_a_v1alpha2_pool_is_followed_when_its_group_is_named(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
+    # A pool made before GIE 1.0, next to a v1 pool of the same name with other pods: the
+    # discovery reads the group it is told to, and only that one.
+    kube.apply_pool("pool", APP, [8000], group=ALPHA_POOL_GROUP)
+    kube.apply_pool("pool", {"app": "v1"}, [9000])
+    kube.add_pod("a", "127.0.0.11", APP)
+    kube.add_pod("b", "127.0.0.12", {"app": "v1"})
+    store = EndpointStore(time.monotonic)
+    async with discovering(kube, tmp_path, store, inferencePoolGroup=ALPHA_POOL_GROUP) as discovery:
+        await wait_for(lambda: addresses(store) == {"127.0.0.11:8000"}, "the v1alpha2 pool's pod")
+        assert discovery.description == (
+            f"InferencePool {NS}/pool (inference.networking.x-k8s.io/v1alpha2)"
+        )
+        pool_paths = {r.path for r in kube.requests if "inferencepools" in r.path}
+        assert pool_paths == {
+            f"/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{NS}/inferencepools"
+        }
+        await watching(kube, ALPHA_POOLS)
+        kube.apply_pool("pool", {"app": "v1"}, [9001], group=ALPHA_POOL_GROUP)
+        await wait_for(lambda: addresses(store) == {"127.0.0.12:9001"}, "the edited selector")
+        kube.apply_pool("pool", {"app": "v1"}, [], group=ALPHA_POOL_GROUP)  # no port: invalid
+        await asyncio.sleep(0.2)
+        assert addresses(store) == {"127.0.0.12:9001"}
+        kube.delete_pool("pool", group=ALPHA_POOL_GROUP)
+        await wait_for(lambda: len(store) == 0, "no endpoints without the pool")
 
 
 async def test_an_invalid_pool_edit_keeps_the_last_valid_spec(
