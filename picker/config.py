@@ -77,7 +77,7 @@ from kv_picker.decode import (
 )
 from kv_picker.endpoint import EndpointSpec, split_address
 from kv_picker.errors import ConfigError
-from kv_picker.scheduling.framework import PluginKind
+from kv_picker.scheduling.framework import SCORING_KINDS, PluginKind
 from kv_picker.scheduling.registry import Registry
 from kv_picker.state.block_events import DEFAULT_TIER_WEIGHTS, Tiers
 from kv_picker.state.block_keys import HASH_ALGOS
@@ -855,7 +855,7 @@ def _profiles(
                 raise ConfigError(
                     f"{where}: {ref.plugin_ref!r} is a profile handler, not a profile step"
                 )
-            if kind != "scorer" and ref.weight is not None:
+            if kind not in SCORING_KINDS and ref.weight is not None:
                 log.warning("%s: weight on %s %r has no effect", where, kind, ref.plugin_ref)
             pickers += kind == "picker"
             entries.append(ProfileEntry(ref.plugin_ref, 1.0 if ref.weight is None else ref.weight))

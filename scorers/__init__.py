@@ -1,9 +1,11 @@
 """Scoring plugins. Each returns a score in [0,1] per candidate; weights live in profiles.
+(`context-length-aware` is a filter too: llm-d's plugin of that name is both.)
 
 The built-in table is explicit: a scorer is available by its type name only if it is listed here.
 """
 
 from kv_picker.scorers.active_request import ActiveRequestScorer
+from kv_picker.scorers.context_length import ContextLengthAware
 from kv_picker.scorers.hardware_class import HardwareClassScorer
 from kv_picker.scorers.kv_cache_utilization import KVCacheUtilizationScorer
 from kv_picker.scorers.load_aware import LoadAwareScorer
@@ -30,11 +32,13 @@ BUILTIN_SCORERS = (
     RecentWorkScorer,
     NoHitLruScorer,
     RunningRequestsScorer,
+    ContextLengthAware,
 )
 
 __all__ = [
     "BUILTIN_SCORERS",
     "ActiveRequestScorer",
+    "ContextLengthAware",
     "HardwareClassScorer",
     "KVCacheUtilizationScorer",
     "LoadAwareScorer",

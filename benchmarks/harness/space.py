@@ -73,6 +73,7 @@ from kv_picker.decode import (
     yaml_name,
 )
 from kv_picker.errors import ConfigError
+from kv_picker.scheduling.framework import SCORING_KINDS
 from kv_picker.scheduling.registry import Registry
 
 DEFAULT_SPACE = """\
@@ -603,7 +604,7 @@ def resolve_space(
         name, plugin_type = _resolve_plugin(spec.plugin, entries, by_type, registry, where)
         kind = registry.kind(plugin_type)
         if spec.weight is not None:
-            if kind != "scorer":
+            if kind not in SCORING_KINDS:
                 raise ConfigError(f"{where}.weight: {name} is a {kind}; only scorers have weights")
             dimension = Dimension(
                 f"{name}.weight",

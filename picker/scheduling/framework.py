@@ -20,6 +20,11 @@ kinds (exactly one)          capabilities (any)
                                CollectsMetrics   collect_metrics()    gauges for /metrics
 ```
 
+The one combination allowed is Filter and Scorer together, the kind ``filter-scorer``, as a
+plugin of the Gateway API Inference Extension may be both (llm-d's ``context-length-aware``):
+a profile that lists it runs it among its filters and among its scorers, its weight on the
+score.
+
 This module is the bottom of the scheduling layer: it imports nothing from ``state/``,
 ``scorers/`` or the service around it (a test enforces it), so a plugin written against it
 depends on the contracts only.
@@ -36,6 +41,8 @@ from kv_picker.errors import ConfigError
 from kv_picker.request import ChatMessage, LLMRequest, Prompt
 
 __all__ = [
+    "FILTERING_KINDS",
+    "SCORING_KINDS",
     "ChatMessage",
     "CollectsMetrics",
     "Endpoint",
@@ -254,7 +261,11 @@ class CollectsMetrics(Protocol):
 
 # -- kind_of ----------------------------------------------------------------------------------
 
-PluginKind = Literal["filter", "scorer", "picker", "profile-handler"]
+PluginKind = Literal["filter", "scorer", "filter-scorer", "picker", "profile-handler"]
+FILTERING_KINDS: frozenset[PluginKind] = frozenset({"filter", "filter-scorer"})
+"""The kinds a profile runs among its filters."""
+SCORING_KINDS: frozenset[PluginKind] = frozenset({"scorer", "filter-scorer"})
+"""The kinds a profile runs among its scorers: the ones a weight applies to."""
 
 _KINDS: tuple[tuple[PluginKind, type], ...] = (
     ("filter", Filter),
@@ -265,14 +276,17 @@ _KINDS: tuple[tuple[PluginKind, type], ...] = (
 
 
 def kind_of(cls: type) -> PluginKind:
-    """The one kind a plugin class implements.
+    """The one kind a plugin class implements (``filter-scorer`` for a filter that scores).
 
     Raises:
-        ConfigError: the class implements no kind, or more than one.
+        ConfigError: the class implements no kind, or more than one other than a filter and a
+            scorer.
     """
     kinds = [kind for kind, protocol in _KINDS if issubclass(cls, protocol)]
     if len(kinds) == 1:
         return kinds[0]
+    if kinds == ["filter", "scorer"]:
+        return "filter-scorer"
     methods = ", ".join(f"{protocol.__name__}.{kind_method(kind)}()" for kind, protocol in _KINDS)
     if not kinds:
         raise ConfigError(f"plugin class {cls.__name__} implements no plugin kind ({methods})")

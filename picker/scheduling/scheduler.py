@@ -25,6 +25,8 @@ from kv_picker.errors import ConfigError, SaturatedError
 from kv_picker.metrics import PickerMetrics
 from kv_picker.scheduling.context import BuildContext
 from kv_picker.scheduling.framework import (
+    FILTERING_KINDS,
+    SCORING_KINDS,
     CollectsMetrics,
     Endpoint,
     LLMRequest,
@@ -165,10 +167,11 @@ class Scheduler:
                 kind = registry.kind(type_name)
                 if kind == "picker":
                     picker = step
-                elif kind == "scorer":
-                    scorers.append(step)
-                elif kind == "filter":
-                    filters.append(step)
+                elif kind in FILTERING_KINDS or kind in SCORING_KINDS:
+                    if kind in FILTERING_KINDS:
+                        filters.append(step)
+                    if kind in SCORING_KINDS:
+                        scorers.append(step)
                 else:  # parse_config refuses it; keep the invariant explicit
                     raise ConfigError(f"{entry.plugin_ref!r} is a {kind}, not a profile step")
             if picker is None:  # parse_config guarantees one; keep the invariant explicit
