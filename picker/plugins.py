@@ -14,9 +14,15 @@ from kv_picker.scheduling.filters import BUILTIN_FILTERS
 from kv_picker.scheduling.handlers import BUILTIN_PROFILE_HANDLERS
 from kv_picker.scheduling.pickers import BUILTIN_PICKERS
 from kv_picker.scheduling.registry import ENTRY_POINT_GROUP, Registry
-from kv_picker.scorers import BUILTIN_SCORERS
+from kv_picker.scorers import BUILTIN_SCORERS, BUILTIN_STATE_FILTERS
 
-BUILTIN_PLUGINS = (*BUILTIN_SCORERS, *BUILTIN_PICKERS, *BUILTIN_FILTERS, *BUILTIN_PROFILE_HANDLERS)
+BUILTIN_PLUGINS = (
+    *BUILTIN_SCORERS,
+    *BUILTIN_PICKERS,
+    *BUILTIN_FILTERS,
+    *BUILTIN_STATE_FILTERS,
+    *BUILTIN_PROFILE_HANDLERS,
+)
 
 
 def builtin_registry(include_entry_points: bool = True) -> Registry:

@@ -14,7 +14,8 @@ unchanged, :func:`translate` rewrites a document's ``plugins`` before they are v
 | ``disagg-profile-handler`` + decider | ``pd-profile-handler`` with the decider's rule: ``always-disagg-pd-decider`` -> ``always``, ``prefix-based-pd-decider`` -> ``nonCachedTokens`` and ``minPromptTokens`` (its ``promptTokens``), no decider -> never |
 | ``pd-profile-handler`` + ``deciderPluginName`` | the same (no ``deciderPluginName`` and a declared ``prefix-based-pd-decider``: that one, as upstream) |
 | ``pd-profile-handler``'s older ``threshold`` (characters) | ``always`` at 0, else ``nonCachedTokens`` = threshold / ``charsPerToken`` (rounded up) |
-| headers handlers, data layer, flow control, ``token-producer`` | not built; the picker sets the header itself and its sections cover the rest (one warning each) |
+| ``prefix-cache-affinity-filter`` reading producer P | the prefix scorer that took P over; none: P becomes a ``prefix-cache-scorer`` named P in no profile (the filter asks it for the match, it records the picks); no P and no prefix scorer declared: one is added with P's defaults, as upstream creates its default producer |
+| headers handlers, data layer, flow control, ``token-producer``, ``inflight-load-producer`` | not built; the picker sets the header and counts in-flight load itself, and its sections cover the rest (one warning each) |
 
 What has no counterpart here is refused with the reason: an encode stage, ``stageOrder:
 prefill-first``, ``primaryPort`` (data-parallel port rewriting), a ``precise-prefix-cache-producer``
@@ -42,6 +43,10 @@ NOT_BUILT: dict[str, str] = {
     "metrics-data-source": "the picker scrapes every endpoint itself (the metrics section)",
     "core-metrics-extractor": "the picker reads vLLM's metric names itself",
     "endpoint-notification-source": "the picker follows the endpoint set itself",
+    "inflight-load-producer": (
+        "the picker counts each endpoint's requests in flight and their uncached prompt tokens "
+        "itself (prefix-cache-affinity-filter and token-load-scorer read them)"
+    ),
     "token-producer": (
         "prefix-cache-scorer hashes the prompt's text; precise-prefix-cache-scorer takes "
         "a tokenizer"
@@ -97,11 +102,15 @@ def translate(document: Any) -> tuple[Any, list[str]]:
                 "(with its tokenizer) and the kvEvents section"
             )
 
+    read_by: dict[int, str] = {}  # producer index -> the prefix scorer that took it over
     for i, entry in enumerate(entries):
         if entry.get("type") == "prefix-cache-scorer":
-            dropped |= _read_producer(entry, by_name, i)
+            for producer_index in _read_producer(entry, by_name, i):
+                dropped.add(producer_index)
+                read_by.setdefault(producer_index, _name(entry))
         elif entry.get("type") in ("disagg-profile-handler", "pd-profile-handler"):
             dropped |= _pd_handler(entry, by_name, i)
+    added = _affinity_producers(entries, by_name, dropped, read_by)
     # Producers and deciders nobody reads are not built either (upstream they would run for
     # nothing).
     for i, entry in enumerate(entries):
@@ -110,8 +119,75 @@ def translate(document: Any) -> tuple[Any, list[str]]:
             notes.append(
                 f"plugins[{i}] ({_name(entry)}): {entry['type']} is read by no plugin; not built"
             )
-    document["plugins"] = [p for i, p in enumerate(entries) if i not in dropped]
+    kept = [p for i, p in enumerate(entries) if i not in dropped]
+    if added and document.get("schedulingProfiles") is None:
+        # Without profiles every declared plugin would join the default one: the scorers
+        # made to hold the filters' match must not score.
+        refs = [
+            {"pluginRef": _name(p)}
+            for p in kept
+            if _name(p) not in added and p.get("type") not in _HANDLERS
+        ]
+        document["schedulingProfiles"] = [{"name": "default", "plugins": refs}]
+    document["plugins"] = kept
     return document, notes
+
+
+_HANDLERS = ("single-profile-handler", "pd-profile-handler", "disagg-profile-handler")
+
+
+def _affinity_producers(
+    entries: list[dict[str, Any]],
+    by_name: Mapping[str, tuple[int, dict[str, Any]]],
+    dropped: set[int],
+    read_by: Mapping[int, str],
+) -> set[str]:
+    """Give each ``prefix-cache-affinity-filter`` the prefix scorer whose match it reads.
+
+    Its producer (``prefixMatchInfoProducerName``, else ``approx-prefix-cache-producer``)
+    when a prefix scorer took it over: that scorer. When none did: the producer becomes a
+    ``prefix-cache-scorer`` of its name, which the filter asks for the match and which records
+    the picks, in no profile. No producer and no prefix scorer declared: one is added with the
+    producer's defaults, as upstream creates its default producer. Returns the names of the
+    scorers made so."""
+    made: set[str] = set()
+    prefix_types = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
+    for i, entry in enumerate(entries):
+        if entry.get("type") != "prefix-cache-affinity-filter":
+            continue
+        where = f"plugins[{i}] ({_name(entry)})"
+        params = _params(entry, where)
+        named = params.get("prefixMatchInfoProducerName") or APPROX_PRODUCER
+        found = by_name.get(named)
+        if found is None:
+            declared = any(e.get("type") in prefix_types for e in entries) or made
+            if named != APPROX_PRODUCER or declared:
+                continue  # bound at build: a missing name is refused there, with the reason
+            entries.append(
+                {
+                    "type": "prefix-cache-scorer",
+                    "name": APPROX_PRODUCER,
+                    "parameters": _producer_params({}, where),
+                }
+            )
+            made.add(APPROX_PRODUCER)
+            continue
+        index, producer = found
+        if producer.get("type") != APPROX_PRODUCER:
+            continue  # a prefix scorer, bound by name; anything else is refused at build
+        if index in read_by:
+            params["prefixMatchInfoProducerName"] = read_by[index]
+            entry["parameters"] = params
+        else:  # read by no prefix scorer: it becomes one
+            producer_where = f"plugins[{index}] ({named})"
+            producer["parameters"] = _producer_params(
+                _params(producer, producer_where), producer_where
+            )
+            producer["type"] = "prefix-cache-scorer"
+            producer["name"] = named
+            dropped.discard(index)
+            made.add(named)
+    return made
 
 
 def _name(entry: Mapping[str, Any]) -> str:

@@ -13,10 +13,12 @@ from kv_picker.scorers.lora_affinity import LoraAffinityScorer
 from kv_picker.scorers.no_hit_lru import NoHitLruScorer
 from kv_picker.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from kv_picker.scorers.predicted_latency import PredictedLatencyScorer
+from kv_picker.scorers.prefix_affinity import PrefixCacheAffinityFilter
 from kv_picker.scorers.prefix_cache import PrefixCacheScorer
 from kv_picker.scorers.queue import QueueScorer, RunningRequestsScorer
 from kv_picker.scorers.recent_work import RecentWorkScorer
 from kv_picker.scorers.session_affinity import SessionAffinityScorer
+from kv_picker.scorers.token_load import TokenLoadScorer
 
 BUILTIN_SCORERS = (
     PrefixCacheScorer,
@@ -33,10 +35,14 @@ BUILTIN_SCORERS = (
     NoHitLruScorer,
     RunningRequestsScorer,
     ContextLengthAware,
+    TokenLoadScorer,
 )
+# Filters that read the endpoints' state (the scheduling layer's own filters read labels only).
+BUILTIN_STATE_FILTERS = (PrefixCacheAffinityFilter,)
 
 __all__ = [
     "BUILTIN_SCORERS",
+    "BUILTIN_STATE_FILTERS",
     "ActiveRequestScorer",
     "ContextLengthAware",
     "HardwareClassScorer",
@@ -46,9 +52,11 @@ __all__ = [
     "NoHitLruScorer",
     "PrecisePrefixCacheScorer",
     "PredictedLatencyScorer",
+    "PrefixCacheAffinityFilter",
     "PrefixCacheScorer",
     "QueueScorer",
     "RecentWorkScorer",
     "RunningRequestsScorer",
     "SessionAffinityScorer",
+    "TokenLoadScorer",
 ]

@@ -235,6 +235,14 @@ class PrecisePrefixCacheScorer:
         self.queried_blocks += total
         self.hit_blocks += best
 
+    def match(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> PrefixMatch | None:
+        """Look the request up on ``candidates`` and publish the match (``PREFIX_MATCH``) as
+        :meth:`score` does, for a plugin that reads it before the scorers run
+        (``prefix-cache-affinity-filter``); None when the prompt has no full block."""
+        self.score(request, candidates, [0.0] * len(candidates))
+        found = request.state.get(PREFIX_MATCH)
+        return found if isinstance(found, PrefixMatch) and found.total_blocks else None
+
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         speculative = self.speculative
         if speculative is None:

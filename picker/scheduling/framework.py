@@ -18,6 +18,7 @@ kinds (exactly one)          capabilities (any)
   Picker          pick()       ResponseHeaders   response_headers()   headers on the response
   ProfileHandler  schedule()   RequiresProfiles  required_profiles()  profiles that must exist
                                CollectsMetrics   collect_metrics()    gauges for /metrics
+                               ReadsPlugins      bind_plugins()       other plugins it reads
 ```
 
 The one combination allowed is Filter and Scorer together, the kind ``filter-scorer``, as a
@@ -58,6 +59,7 @@ __all__ = [
     "ProfileResult",
     "ProfileRunner",
     "Prompt",
+    "ReadsPlugins",
     "RequiresProfiles",
     "ResponseHeaders",
     "SchedulingResult",
@@ -234,6 +236,19 @@ class ResponseHeaders(Protocol):
 class RequiresProfiles(Protocol):
     def required_profiles(self) -> tuple[str, ...]:
         """Scheduling profiles that must exist for this plugin to work (checked at load)."""
+        ...
+
+
+@runtime_checkable
+class ReadsPlugins(Protocol):
+    def bind_plugins(self, plugins: Mapping[str, object]) -> None:
+        """Called once every plugin of the config is built, with all of them by name: keep
+        the ones this plugin reads (``prefix-cache-affinity-filter`` reads the prefix match
+        of a prefix scorer before the scorers run).
+
+        Raises:
+            ConfigError: a plugin it needs is missing or of the wrong type.
+        """
         ...
 
 

@@ -35,6 +35,7 @@ from kv_picker.scheduling.framework import (
     Prepare,
     ProfileHandler,
     ProfileResult,
+    ReadsPlugins,
     RequiresProfiles,
     ResponseHeaders,
     SchedulingResult,
@@ -191,6 +192,9 @@ class Scheduler:
                         f"plugin {plugin_name!r}: needs scheduling profile(s) "
                         f"{', '.join(missing)}; defined: {', '.join(self.profiles)}"
                     )
+        for plugin in plugins.values():
+            if isinstance(plugin, ReadsPlugins):
+                plugin.bind_plugins(plugins)
         self._profile_names = tuple(self.profiles)
         self._post_pick = [p for p in plugins.values() if isinstance(p, PostPick)]
         self.preparers: list[Prepare] = [p for p in plugins.values() if isinstance(p, Prepare)]
