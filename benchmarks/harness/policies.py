@@ -17,6 +17,7 @@ EndpointPickerConfig document:
 | `dynamo-cost` | `dynamo-cost-picker` | Dynamo's KV router cost function (reference/vllm-kv.md §6.1) |
 | `kv-picker` | the built-in default (no plugins given) | kv-picker's own profile |
 | `llm-d-default` | approximate `prefix-cache-scorer` 3, `queue-scorer` 2, `kv-cache-utilization-scorer` 2, `no-hit-lru-scorer` 2 | llm-d's "optimized baseline" profile (named, not one of `baselines`: the stored matrices ran without it) |
+| `llm-d-affinity` | `prefix-cache-affinity-filter` + `token-load-scorer` over the approximate producer's match, every parameter at its default | llm-d's later "optimized baseline" (named, not one of `baselines`, as `llm-d-default`) |
 
 Plugins (harness registry only):
 
@@ -394,6 +395,30 @@ NAMED_POLICIES: dict[str, dict[str, Any]] = {
         ("no-hit-lru-scorer", 2),
         ("max-score-picker", None),
     ),
+    # llm-d's later optimized baseline, in llm-d's own shape (translated on load: the
+    # producer becomes the prefix scorer the filter reads, in no profile). Its
+    # inflight-load-producer is left out: the picker counts in-flight load itself, and the
+    # note that says so would repeat for every cell.
+    "llm-d-affinity": {
+        "plugins": [
+            {"type": "approx-prefix-cache-producer"},
+            {
+                "type": "prefix-cache-affinity-filter",
+                # Named (upstream's default), so that each P/D side reads its own copy.
+                "parameters": {"prefixMatchInfoProducerName": "approx-prefix-cache-producer"},
+            },
+            {"type": "token-load-scorer"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "prefix-cache-affinity-filter"},
+                    {"pluginRef": "token-load-scorer"},
+                ],
+            }
+        ],
+    },
 }
 """Every policy known by name: the baselines, and policies that ``baselines`` leaves out so that
 the stored matrices, which ran without them, stay what their commands say."""
@@ -558,12 +583,29 @@ def resolve_policies(items: Sequence[str]) -> list[Policy]:
     return policies
 
 
+# Parameters that name another plugin of the policy (the one whose output a plugin reads).
+_REFERENCE_PARAMETERS = ("prefixMatchInfoProducerName", "producer", "prefixPluginName")
+
+
+def _side_references(parameters: Any, names: list[str], side: str) -> Any:
+    """``parameters`` with each reference to one of the policy's plugins (``names``) turned to
+    that plugin's copy on ``side``, so a side's plugins read their own side's."""
+    if not isinstance(parameters, Mapping):
+        return parameters
+    return {
+        key: f"{side}-{value}" if key in _REFERENCE_PARAMETERS and value in names else value
+        for key, value in parameters.items()
+    }
+
+
 def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
     """The same policy for a P/D cluster, under the service's ``pd-profile-handler``.
 
     A ``decode`` and a ``prefill`` profile each get their own copy of the policy's plugins
     (``decode-<name>``, ``prefill-<name>``) behind their role filter, so stateful pickers keep
-    separate state per side, as peer routers keep separate prefill and decode policies. The
+    separate state per side, as peer routers keep separate prefill and decode policies; a
+    parameter naming another of its plugins (``prefixMatchInfoProducerName``, ``producer``,
+    ``prefixPluginName``) names that plugin's copy on the same side. The
     handler disaggregates when at least ``non_cached_tokens`` prompt tokens are not cached on
     the chosen decode endpoint (as the decode profile's prefix scorer sees it). The policy's
     ``pd_parameters`` are laid over each side's copies.
@@ -597,8 +639,11 @@ def pd_variant(policy: Policy, non_cached_tokens: int = 1) -> Policy:
         overrides = policy.pd_parameters.get(side, {})
         for plugin, name in zip(plugins, names, strict=True):
             copy = {**plugin, "name": f"{side}-{name}"}
+            parameters = _side_references(plugin.get("parameters"), names, side)
+            if parameters is not None:
+                copy["parameters"] = parameters
             if name in overrides:
-                copy["parameters"] = {**(plugin.get("parameters") or {}), **overrides[name]}
+                copy["parameters"] = {**(copy.get("parameters") or {}), **overrides[name]}
             copies.append(copy)
         side_refs = [{**ref, "pluginRef": f"{side}-{ref['pluginRef']}"} for ref in refs]
         profiles_out.append({"name": side, "plugins": [{"pluginRef": role_filter}, *side_refs]})

@@ -150,6 +150,14 @@ def test_policy_resolution(tmp_path: Path) -> None:
     types = [p["type"] for p in llm_d.document["plugins"]]
     assert "no-hit-lru-scorer" in types
     llm_d.config(registry)
+    affinity = resolve_policy("llm-d-affinity")
+    assert "llm-d-affinity" not in [p.name for p in resolve_policies(["baselines"])]
+    config = affinity.config(registry)
+    assert [e.plugin_ref for e in config.profiles[0].entries] == [
+        "prefix-cache-affinity-filter",
+        "token-load-scorer",
+        "max-score-picker",
+    ]
     with pytest.raises(ConfigError, match="not a named policy"):
         resolve_policy("fastest")
     with pytest.raises(ConfigError, match="repeated: random"):
@@ -162,6 +170,17 @@ def test_policy_resolution(tmp_path: Path) -> None:
 
 def test_pd_variant_gives_each_side_its_own_plugins() -> None:
     registry = harness_registry()
+    affinity = pd_variant(resolve_policy("llm-d-affinity"), 256).config(registry)
+    types = {p.name: p.type for p in affinity.plugins}
+    for side in ("decode", "prefill"):  # each side's filter reads its own side's index
+        assert types[f"{side}-approx-prefix-cache-producer"] == "prefix-cache-scorer"
+        (filter_plugin,) = [
+            p for p in affinity.plugins if p.name == f"{side}-prefix-cache-affinity-filter"
+        ]
+        assert (
+            filter_plugin.params.prefixMatchInfoProducerName
+            == f"{side}-approx-prefix-cache-producer"
+        )
     for name in ("kv-picker", "round-robin", "gie-default", "llm-d-default"):
         variant = pd_variant(resolve_policy(name), 256)
         config = variant.config(registry)
