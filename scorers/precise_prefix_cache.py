@@ -59,7 +59,13 @@ from kv_picker.scheduling.framework import (
     PluginGauge,
     SchedulingResult,
 )
-from kv_picker.scheduling.signals import PREFIX_MATCH, PROMPT_TOKENS, PrefixMatch, prompt_tokens
+from kv_picker.scheduling.signals import (
+    PREFIX_MATCH,
+    PROMPT_TOKENS,
+    PrefixMatch,
+    PublishesPrefixMatch,
+    prompt_tokens,
+)
 from kv_picker.state.kv_index import KVIndex, Prefetched, SpeculativeHolders
 from kv_picker.state.prefix_runs import mask_of
 from kv_picker.state.tokenization import PromptInput, PromptTokenizer, TokenizerError, prompt_input
@@ -92,7 +98,7 @@ class PrecisePrefixCacheParams:
             raise FieldError("tokenizer", f"no tokenizer.json at {self.tokenizer}")
 
 
-class PrecisePrefixCacheScorer:
+class PrecisePrefixCacheScorer(PublishesPrefixMatch):
     type_name: ClassVar[str] = "precise-prefix-cache-scorer"
     Params = PrecisePrefixCacheParams
 
@@ -234,14 +240,6 @@ class PrecisePrefixCacheScorer:
         self.lookups += 1
         self.queried_blocks += total
         self.hit_blocks += best
-
-    def match(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> PrefixMatch | None:
-        """Look the request up on ``candidates`` and publish the match (``PREFIX_MATCH``) as
-        :meth:`score` does, for a plugin that reads it before the scorers run
-        (``prefix-cache-affinity-filter``); None when the prompt has no full block."""
-        self.score(request, candidates, [0.0] * len(candidates))
-        found = request.state.get(PREFIX_MATCH)
-        return found if isinstance(found, PrefixMatch) and found.total_blocks else None
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         speculative = self.speculative

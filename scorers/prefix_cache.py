@@ -112,6 +112,7 @@ from kv_picker.scheduling.signals import (
     DEFAULT_CHARS_PER_TOKEN,
     PREFIX_MATCH,
     PrefixMatch,
+    PublishesPrefixMatch,
     prompt_tokens,
 )
 from kv_picker.state.approx_index import ApproximatePrefixIndex
@@ -142,7 +143,7 @@ class PrefixCacheParams:
     matchLengthScaleTokens: Annotated[float, Positive] = 8192.0
 
 
-class PrefixCacheScorer:
+class PrefixCacheScorer(PublishesPrefixMatch):
     type_name: ClassVar[str] = "prefix-cache-scorer"
     Params = PrefixCacheParams
 
@@ -217,14 +218,6 @@ class PrefixCacheScorer:
             self._yield_pending(candidates, runs, out)
         if self.params.fullYield:
             self._yield_full(candidates, out)
-
-    def match(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> PrefixMatch | None:
-        """Look the request up on ``candidates`` and publish the match (``PREFIX_MATCH``) as
-        :meth:`score` does, for a plugin that reads it before the scorers run
-        (``prefix-cache-affinity-filter``); None when the prompt has no full block."""
-        self.score(request, candidates, [0.0] * len(candidates))
-        found = request.state.get(PREFIX_MATCH)
-        return found if isinstance(found, PrefixMatch) and found.total_blocks else None
 
     def _weigh_length(
         self, candidates: Sequence[Endpoint], runs: list[int], out: list[float]

@@ -7,9 +7,10 @@ what the latency-predicting scorer needs to estimate uncached prefill work.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kv_picker.endpoint import Endpoint
 from kv_picker.request import LLMRequest
 
 PREFIX_MATCH = "signals.prefix_match"
@@ -60,6 +61,22 @@ class PrefixMatch:
             # The prompt's length may be an estimate (characters / 4): never below the match.
             return max(self.whole_tokens, blocks * self.block_tokens)
         return blocks * self.block_tokens
+
+
+class PublishesPrefixMatch:
+    """For a prefix scorer, whose :meth:`score` publishes ``PREFIX_MATCH``: :meth:`match` looks
+    the request up for a plugin that reads the match before the scorers run
+    (``prefix-cache-affinity-filter``)."""
+
+    def score(self, request: LLMRequest, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        raise NotImplementedError
+
+    def match(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> PrefixMatch | None:
+        """The request's match on ``candidates``, published as :meth:`score` publishes it; None
+        when the prompt has no full block."""
+        self.score(request, candidates, [0.0] * len(candidates))
+        found = request.state.get(PREFIX_MATCH)
+        return found if isinstance(found, PrefixMatch) and found.total_blocks else None
 
 
 def prompt_tokens(request: LLMRequest, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> float:

@@ -6,20 +6,26 @@ question: with llm-d-default's runs added to every cell of the stored matrix (dr
 does it lose, and how do the two compare head to head. Run from the repository root:
 
     .venv/bin/python benchmarks/results/llm-d-default/rejudge.py
+
+Another candidate run of the stored matrix is judged the same way with its file and name:
+
+    .venv/bin/python benchmarks/results/llm-d-default/rejudge.py \
+        benchmarks/results/llm-d-affinity/against.json.gz llm-d-affinity
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 from kv_picker_bench.harness import against
 from kv_picker_bench.harness import matrix as m
 
 STORED = Path("benchmarks/results/matrix-seeds")
-RUN = Path("benchmarks/results/llm-d-default/against.json.gz")
-NAME = "llm-d-default"
+RUN = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/llm-d-default/against.json.gz")
+NAME = sys.argv[2] if len(sys.argv) > 2 else "llm-d-default"
 FIGURES = ("TTFT mean", "TTFT p90", "throughput")
 
 
