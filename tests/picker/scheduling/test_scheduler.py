@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from kv_picker.errors import SaturatedError
+from kv_picker.errors import ConfigError, SaturatedError
 from kv_picker.scheduling.pickers import MaxScorePicker, PickerParams, WeightedRandomPicker
 from tests.fakes import make_context, make_request, make_scheduler, make_store
 
@@ -109,3 +109,60 @@ def test_scorer_out_of_range_values_are_clamped() -> None:
     profile.scorers[0].plugin = Wild()
     result = profile.run(make_request(), store.all())
     assert result.totals == [1.0, 0.0, 0.0]
+
+
+def test_by_label_selector_matches_as_kubernetes_selectors_do() -> None:
+    labels = [
+        {"tier": "gpu", "zone": "a"},
+        {"tier": "gpu", "zone": "b", "spot": "true"},
+        {"tier": "cpu", "zone": "a"},
+        {"zone": "c"},
+    ]
+    store = make_store(4, labels=labels)
+
+    def kept(parameters: dict[str, object]) -> list[int]:
+        document = {
+            "plugins": [
+                {"type": "by-label-selector", "parameters": parameters},
+                {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 4}},
+            ]
+        }
+        scheduler = make_scheduler(document, store)
+        return sorted(e.id for e in scheduler.schedule(make_request(), store.all()).primary.targets)
+
+    assert kept({}) == [0, 1, 2, 3]  # an empty selector selects everything
+    assert kept({"matchLabels": {"tier": "gpu"}}) == [0, 1]
+    expression = {"key": "zone", "operator": "In", "values": ["a", "c"]}
+    assert kept({"matchExpressions": [expression]}) == [0, 2, 3]
+    assert kept(
+        {"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["cpu"]}]}
+    ) == [
+        0,
+        1,
+        3,  # no tier label: not in the set
+    ]
+    assert kept({"matchExpressions": [{"key": "spot", "operator": "DoesNotExist"}]}) == [0, 2, 3]
+    both = {
+        "matchLabels": {"tier": "gpu"},
+        "matchExpressions": [{"key": "spot", "operator": "Exists"}],
+    }
+    assert kept(both) == [1]
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ({"key": "zone", "operator": "In"}, "In needs values"),
+        ({"key": "zone", "operator": "Exists", "values": ["a"]}, "Exists takes no values"),
+        ({"key": "zone", "operator": "Gt", "values": ["1"]}, "operator 'Gt' is not one of"),
+        ({"key": "", "operator": "Exists"}, "'key' is required"),
+    ],
+)
+def test_a_bad_label_selector_is_refused(expression: dict[str, object], message: str) -> None:
+    document = {
+        "plugins": [
+            {"type": "by-label-selector", "parameters": {"matchExpressions": [expression]}},
+        ]
+    }
+    with pytest.raises(ConfigError, match=message):
+        make_scheduler(document, make_store(2))
