@@ -43,6 +43,14 @@ NOT_BUILT: dict[str, str] = {
     "metrics-data-source": "the picker scrapes every endpoint itself (the metrics section)",
     "core-metrics-extractor": "the picker reads vLLM's metric names itself",
     "endpoint-notification-source": "the picker follows the endpoint set itself",
+    "models-data-source": (
+        "the picker reads each endpoint's loaded adapters from vllm:lora_requests_info and the "
+        "pool's models from the models section"
+    ),
+    "model-server-protocol-models": (
+        "the picker reads each endpoint's loaded adapters from vllm:lora_requests_info and the "
+        "pool's models from the models section"
+    ),
     "inflight-load-producer": (
         "the picker counts each endpoint's requests in flight and their uncached prompt tokens "
         "itself (prefix-cache-affinity-filter and token-load-scorer read them)"

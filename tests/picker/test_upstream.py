@@ -241,6 +241,17 @@ def test_flow_control_and_data_layer_plugins_are_not_built(
     assert _load(text).metrics.path == "/vllm/metrics"
     # The picker's own metrics section wins.
     assert _load(text + "metrics: {path: /metrics}\n").metrics.path == "/metrics"
+    # The models data layer: the picker reads the adapters from the metrics.
+    models = FLOW_CONTROL.replace(
+        "- type: fcfs-ordering-policy\n",
+        "- type: fcfs-ordering-policy\n- type: models-data-source\n"
+        "  parameters: {scheme: http, path: /v1/models}\n- type: model-server-protocol-models\n",
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert [p.type for p in _load(models).plugins] == [p.type for p in config.plugins]
+    for kind in ("models-data-source", "model-server-protocol-models"):
+        assert f"{kind} is accepted and not built" in caplog.text
 
 
 @pytest.mark.parametrize(
