@@ -153,3 +153,66 @@ def queued(stack: LocalStack) -> int:
         if line.startswith("kv_picker_endpoint_requests_waiting{"):
             count += float(line.rsplit(" ", 1)[1]) >= 1
     return count
+
+
+def test_llm_d_optimized_baseline_config_routes_through_envoy() -> None:
+    """llm-d's later optimized-baseline plugin list, as its guide ships it: a shared prompt stays
+    on the endpoint holding it, distinct prompts spread, and the in-flight tokens the filter's
+    gate reads go back to 0 once the requests have answered."""
+    config = {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": "token-load-scorer"},
+            {"type": "inflight-load-producer"},
+            {
+                "type": "approx-prefix-cache-producer",
+                "parameters": {"maxPrefixTokensToMatch": 40960},
+            },
+            {
+                "type": "prefix-cache-affinity-filter",
+                "parameters": {
+                    "affinityThreshold": 0.8,
+                    "maxTokensInFlightPenalty": 286720,
+                    "maxTTFTPenaltyMs": 0,
+                },
+            },
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "prefix-cache-affinity-filter"},
+                    {"pluginRef": "token-load-scorer"},
+                ],
+            }
+        ],
+    }
+    with LocalStack(sims=3, picker_config=config, time_scale=0.02) as stack:
+        shared = "You are a support agent for ACME. " * 60
+        served = Counter(
+            post(stack.url + "/v1/completions", completion(f"{shared}\nQ{i}")).headers[SERVED_BY]
+            for i in range(8)
+        )
+        assert len(served) == 1, served
+        distinct = Counter(
+            post(stack.url + "/v1/completions", completion(f"topic {i} " * 80)).headers[SERVED_BY]
+            for i in range(18)
+        )
+        assert len(distinct) >= 2, distinct
+        wait_for(
+            stack,
+            'kv_picker_affinity_filter_narrowed{plugin="prefix-cache-affinity-filter"} 7.0',
+            "the filter to have kept 7 requests home",
+        )
+
+        def drained() -> bool:  # the gauge follows the store at each scrape (every 100 ms)
+            queued = [
+                float(line.rsplit(" ", 1)[1])
+                for line in stack.picker_metrics_text().splitlines()
+                if line.startswith("kv_picker_endpoint_queued_prefill_tokens{")
+            ]
+            return len(queued) == 3 and not any(queued)
+
+        assert stack.picker is not None
+        stack.picker.wait_until(drained, 15.0, "no prefill tokens left in flight")
