@@ -255,3 +255,31 @@ plugins:
         "token-load-scorer",
         "max-score-picker",
     ]
+
+
+def test_the_filter_reads_the_scorer_that_took_its_producer_over() -> None:
+    text = (
+        HEADER
+        + """
+plugins:
+- type: approx-prefix-cache-producer
+  name: cpu-producer
+  parameters: {lruCapacityPerServer: 1000}
+- type: prefix-cache-scorer
+  name: gpu-prefix
+- type: prefix-cache-scorer
+  name: cpu-prefix
+  parameters: {prefixMatchInfoProducerName: cpu-producer}
+- type: prefix-cache-affinity-filter
+  parameters: {prefixMatchInfoProducerName: cpu-producer}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: prefix-cache-affinity-filter}, {pluginRef: gpu-prefix},
+    {pluginRef: cpu-prefix}]
+"""
+    )
+    config = parse_config_text(text, REGISTRY)
+    assert "cpu-producer" not in {p.name for p in config.plugins}
+    scheduler = make_scheduler(yaml_document(text), make_store(2))
+    filter_plugin = scheduler.plugins["prefix-cache-affinity-filter"]
+    assert filter_plugin._matcher is scheduler.plugins["cpu-prefix"]
