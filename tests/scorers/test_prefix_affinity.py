@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
 from kv_picker.config import parse_config_text
 from kv_picker.errors import ConfigError
@@ -58,6 +59,11 @@ schedulingProfiles:
 )
 
 REGISTRY = builtin_registry(include_entry_points=False)
+
+
+def yaml_document(text: str) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(text)
+    return document
 
 
 class FakeMatcher:
@@ -198,13 +204,6 @@ def test_the_optimized_baseline_guide_loads_and_keeps_prompts_home(text: str) ->
     moved = scheduler.schedule(make_request(prompt), store.all())
     assert len(moved.primary.candidates) == 4
     assert moved.primary.targets[0] != home
-
-
-def yaml_document(text: str) -> dict[str, Any]:
-    import yaml
-
-    document: dict[str, Any] = yaml.safe_load(text)
-    return document
 
 
 def test_the_filter_reads_the_prefix_scorer_it_is_told_to() -> None:
