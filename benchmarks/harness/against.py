@@ -145,6 +145,34 @@ def stored_seeds(folder: Path, draws: Sequence[int]) -> list[int]:
     return list(next(iter(found)))
 
 
+def stored_cached_when(folder: Path, draws: Sequence[int], asked: str | None) -> str:
+    """The engine model a stored matrix ran (``cached_when`` in its ``matrix.json``; a matrix
+    stored without it ran ``computed``, the model before it was recorded), which the candidates
+    must run too.
+
+    Raises:
+        UsageError: draws stored under different models, or ``asked`` (``--cached-when``) is
+            another one.
+    """
+    found: dict[str, int] = {}
+    for draw in draws:
+        path = stored_matrix_path(folder, draw, len(draws))
+        try:
+            found.setdefault(str(read_json(path).get("cached_when", "computed")), draw)
+        except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{path} is not a stored matrix: {exc!r}") from None
+    if len(found) > 1:
+        described = "; ".join(f"draw {d}: {m}" for m, d in found.items())
+        raise UsageError(f"the stored draws ran different engine models ({described})")
+    stored = next(iter(found))
+    if asked is not None and asked != stored:
+        raise UsageError(
+            f"--cached-when {asked}: {folder} ran --cached-when {stored}; candidates are judged "
+            "under the stored matrix's engine model (drop the flag, or give that one)"
+        )
+    return stored
+
+
 def stored_seed_paths(
     folder: Path, seeds: Sequence[int], draws: Sequence[int]
 ) -> dict[int, dict[int, Path]] | None:

@@ -41,7 +41,7 @@ from kv_picker_bench.harness.traces import (
     parse_trace_spec,
     slice_trace,
 )
-from kv_picker_bench.sim.engine import HARDWARE_CLASSES
+from kv_picker_bench.sim.engine import CACHED_WHEN, HARDWARE_CLASSES
 from kv_picker_bench.sim.timing import (
     DEFAULT_TIMING,
     TIMING_PROFILES,
@@ -174,6 +174,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--scrape-interval",
         default="50ms",
         help="simulated metrics scrape period; scorers see values up to this old (50ms)",
+    )
+    group.add_argument(
+        "--cached-when",
+        choices=CACHED_WHEN,
+        default=CACHED_WHEN[0],
+        help="when a prompt block becomes a cache hit on a simulated endpoint: scheduled (from "
+        "the step that schedules its prefill chunk, as vLLM v1; the default) or computed (once "
+        "that step has ended: the model of results stored before scheduled)",
     )
     group.add_argument(
         "--kv-event-delay",
@@ -477,6 +485,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_model_len=args.max_model_len,
             scrape_interval_s=parse_duration_s(args.scrape_interval, "--scrape-interval"),
             kv_event_delay_s=_duration_or_zero(args.kv_event_delay, "--kv-event-delay"),
+            cached_when=args.cached_when,
             transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
             kv_bytes_per_token=kv_bytes_per_token,
             timing=timing,

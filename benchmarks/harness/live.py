@@ -672,6 +672,8 @@ def run_live(argv: Sequence[str], command: str) -> int:
         str(config.max_num_batched_tokens),
         "--max-model-len",
         str(config.max_model_len),
+        "--cached-when",
+        config.cached_when,
     )
     adapters = sorted({r.lora for r in trace.requests if r.lora})
     if adapters:  # the endpoints must serve every adapter the trace names

@@ -99,6 +99,7 @@ from kv_picker_bench.harness.space import (
     load_space,
 )
 from kv_picker_bench.harness.traces import Trace, parse_trace_spec, slice_trace
+from kv_picker_bench.sim.engine import CACHED_WHEN
 from kv_picker_bench.sim.timing import TIMING_PROFILES, describe_profiles, timing_profile
 
 TUNING = "tuning"
@@ -916,12 +917,15 @@ def results_json(
     draw: int = DEFAULT_FAMILY_SEED,
     quick: bool = False,
     seeds: Sequence[int] = (0,),
+    cached_when: str = CACHED_WHEN[0],
 ) -> dict[str, Any]:
     return {
         "command": command,
         "wall_s": wall_s,
         "family_seed": draw,
         **({} if list(seeds) == [0] else {"seeds": list(seeds)}),
+        # A matrix stored without it ran the older engine model (see --cached-when).
+        "cached_when": cached_when,
         "conversation_window_s": list(conversation_window(draw)),
         "families": {
             name: {
@@ -1106,7 +1110,11 @@ def parse_cells(text: str) -> str | set[Cell]:
 
 
 def cell_workload(
-    cell_text: str, draw: int = DEFAULT_FAMILY_SEED, responses: str = "full", quick: bool = False
+    cell_text: str,
+    draw: int = DEFAULT_FAMILY_SEED,
+    responses: str = "full",
+    quick: bool = False,
+    cached_when: str = CACHED_WHEN[0],
 ) -> tuple[Cell, Trace, ClusterConfig, Load]:
     """One matrix cell's requests (at its load) and cluster, as ``kv-picker bench matrix``
     builds them for ``--family-seed draw`` (and ``--quick``), and the load they offer.
@@ -1117,15 +1125,23 @@ def cell_workload(
     """
     family, load, cluster, timing = parse_cell(cell_text)
     plan = plan_matrix(
-        [family], [load], [cluster], [timing], [], quick, cluster_overrides(responses), draw
-    )
+        [family], [load], [cluster], [timing], [], quick,
+        cluster_overrides(responses, cached_when), draw,
+    )  # fmt: skip
     cell = plan.cells[0]
     return cell, plan.traces[cell], plan.configs[cell], plan.loads[cell]
 
 
-def cluster_overrides(responses: str) -> Callable[[str], dict[str, Any]]:
-    """The cluster overrides of each timing profile, seen through ``--responses``."""
-    seen = {"first_byte_seen": responses == "full", "first_tokens_scraped": responses != "end-only"}
+def cluster_overrides(
+    responses: str, cached_when: str = CACHED_WHEN[0]
+) -> Callable[[str], dict[str, Any]]:
+    """The cluster overrides of each timing profile, seen through ``--responses``, with the
+    endpoints' ``--cached-when``."""
+    seen = {
+        "first_byte_seen": responses == "full",
+        "first_tokens_scraped": responses != "end-only",
+        "cached_when": cached_when,
+    }
 
     def overrides(name: str) -> dict[str, Any]:
         return {**_timing_overrides(name), **seen}
@@ -1193,6 +1209,16 @@ def build_parser() -> argparse.ArgumentParser:
         "response trailers alone, see kv-picker bench overhead --modes lean; a prefill ends "
         "when the endpoint's scraped first-token count says so) or end-only (lean, with "
         "servers that export no first-token count: a prefill ends with its request)",
+    )
+    parser.add_argument(
+        "--cached-when",
+        choices=CACHED_WHEN,
+        default=None,
+        help="when a prompt block becomes a cache hit on a simulated endpoint: scheduled (from "
+        "the step that schedules its prefill chunk, as vLLM v1 caches blocks when it allocates "
+        "them; the default) or computed (once that step has ended: the model of the matrices "
+        "stored before scheduled, which record no cached_when); with --against or --refresh, "
+        "the stored matrix's",
     )
     parser.add_argument(
         "--seed",
@@ -1314,6 +1340,7 @@ def _matrix(argv: Sequence[str]) -> int:
             args, argv, draws, seeds, families, loads, clusters, timings, policies, cells
         )
     seeds = seeds or [0]
+    args.cached_when = args.cached_when or CACHED_WHEN[0]
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
@@ -1327,7 +1354,7 @@ def _matrix(argv: Sequence[str]) -> int:
             timings,
             policies,
             args.quick,
-            cluster_overrides(args.responses),
+            cluster_overrides(args.responses, args.cached_when),
             draw,
         )
         out = folder / draw_folder(draw, len(draws))
@@ -1382,14 +1409,19 @@ def _write_draw(
             seed_out.mkdir(parents=True, exist_ok=True)
             write_json(
                 seed_out / "matrix.json",
-                results_json(command, seed_results, math.nan, draw, args.quick, [seed]),
+                results_json(
+                    command, seed_results, math.nan, draw, args.quick, [seed], args.cached_when
+                ),
             )
     out = folder / draw_folder(draw, draws)
     out.mkdir(parents=True, exist_ok=True)
     draw_title = title if draws == 1 else f"{title}, draw {draw}"
     text = markdown_report(draw_title, command, results, wall_s, seeds)
     (out / "matrix.md").write_text(text, encoding="utf-8")
-    write_json(out / "matrix.json", results_json(command, results, wall_s, draw, args.quick, seeds))
+    write_json(
+        out / "matrix.json",
+        results_json(command, results, wall_s, draw, args.quick, seeds, args.cached_when),
+    )
     if not args.no_plots:
         plot_default_heatmap(results, out / "default_heatmap.png")
         plot_policy_ratios(summarize_policies(results), out / "policy_ratios.png")
@@ -1440,7 +1472,8 @@ def _stored_header(path: Path) -> dict[str, Any]:
         data = read_json(path)
         return {"command": str(data["command"]), "wall_s": float(data["wall_s"]),
                 "draw": int(data["family_seed"]),
-                "seeds": [int(seed) for seed in data.get("seeds", [0])]}  # fmt: skip
+                "seeds": [int(seed) for seed in data.get("seeds", [0])],
+                "cached_when": str(data.get("cached_when", "computed"))}  # fmt: skip
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--report: {path} is not a stored matrix: {exc!r}") from None
 
@@ -1494,7 +1527,10 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
         (path.parent / "matrix.md").write_text(
             markdown_report(draw_title, command, results, wall_s, seeds), encoding="utf-8"
         )
-        write_json(path, results_json(command, results, wall_s, draw, args.quick, seeds))
+        write_json(
+            path,
+            results_json(command, results, wall_s, draw, args.quick, seeds, header["cached_when"]),
+        )
         if not args.no_plots:
             plot_default_heatmap(results, path.parent / "default_heatmap.png")
             plot_policy_ratios(summarize_policies(results), path.parent / "policy_ratios.png")
@@ -1545,7 +1581,7 @@ def _plan_on_stored(
     families, loads, clusters, timings = grid
     plan = plan_matrix(
         families, loads, clusters, timings, policies, args.quick,
-        cluster_overrides(args.responses), draw,
+        cluster_overrides(args.responses, args.cached_when), draw,
     )  # fmt: skip
     against.restrict_plan(plan, stored, selected)
     if not plan.cells:
@@ -1576,6 +1612,7 @@ def _refresh(
         for draw in draws
     }
     seeds = against.stored_seeds(args.refresh, draws)
+    args.cached_when = against.stored_cached_when(args.refresh, draws, args.cached_when)
     seed_paths = against.stored_seed_paths(args.refresh, seeds, draws)
     if len(seeds) > 1 and seed_paths is None:
         raise UsageError(
@@ -1644,6 +1681,7 @@ def _against(
         for draw in draws
     }
     stored_seeds = against.stored_seeds(args.against, draws)
+    args.cached_when = against.stored_cached_when(args.against, draws, args.cached_when)
     seeds = seeds or stored_seeds
     stored_names = {n for cells in stored_draws.values() for r in cells.values() for n in r.metrics}
     names = [policy.name for policy in policies]

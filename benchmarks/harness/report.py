@@ -266,6 +266,7 @@ def cluster_json(config: ClusterConfig) -> dict[str, Any]:
         },
         "scrape_interval_s": config.scrape_interval_s,
         "kv_event_delay_s": config.kv_event_delay_s,
+        "cached_when": config.cached_when,
         "transfer_latency_s": config.transfer_latency_s,
         "transfer_bytes_per_s": config.transfer_bytes_per_s,
         "kv_bytes_per_token": config.kv_bytes_per_token,

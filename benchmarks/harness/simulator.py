@@ -18,7 +18,8 @@ arrival ─> waiting ─>│ + 1 token for ││ first token││ finishes (he
   sequence, so a stretch lasts an arithmetic sum. Prefill steps are simulated one by one, each
   chunk priced at its context position.
 - Step duration, admission (FIFO; all blocks of prompt and output reserved up front; the last
-  prompt token always recomputed), chunked prefill within ``max_num_batched_tokens``: the same
+  prompt token always recomputed), chunked prefill within ``max_num_batched_tokens``, a prompt
+  block cached from the step that schedules its chunk (``ClusterConfig.cached_when``): the same
   rules as :mod:`kv_picker_bench.sim.engine`, with its :class:`~kv_picker_bench.sim.engine.TimingModel`
   and hardware classes, and the same :class:`~kv_picker_bench.sim.cache.PrefixCache` (exact block
   accounting, LRU eviction of unreferenced blocks, per-endpoint capacity).
@@ -70,7 +71,7 @@ from kv_picker.state.endpoints import EndpointStore
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from kv_picker_bench.harness.traces import Trace, TraceRequest, prompt_text
 from kv_picker_bench.sim.cache import PrefixCache, StoredBlock
-from kv_picker_bench.sim.engine import HardwareClass, TimingModel, hardware_class
+from kv_picker_bench.sim.engine import CACHED_WHEN, HardwareClass, TimingModel, hardware_class
 from kv_picker_bench.sim.timing import DEFAULT_TIMING
 
 BLOCK_KEYS_STATE = "harness.block_keys"
@@ -135,6 +136,11 @@ class ClusterConfig:
         first_tokens_scraped: The scrape reports each endpoint's first-token count
             (vLLM's ``vllm:time_to_first_token_seconds_count``). False: as a server that
             exports none, so without first bytes a prefill stays queued until its request ends.
+        cached_when: When a prompt block becomes a cache hit: ``scheduled``, from the step that
+            schedules its prefill chunk, as vLLM v1 caches blocks when it allocates their slots
+            (so a request admitted in the same step or later hits what a running one is
+            computing); or ``computed``, once that step has ended, the model of the results
+            measured before ``scheduled`` (see :mod:`kv_picker_bench.sim.engine`).
     """
 
     endpoints: tuple[EndpointSetup, ...]
@@ -153,6 +159,7 @@ class ClusterConfig:
     model: str = "sim-model"
     first_byte_seen: bool = True
     first_tokens_scraped: bool = True
+    cached_when: str = "scheduled"
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -160,6 +167,10 @@ class ClusterConfig:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cached_when not in CACHED_WHEN:
+            raise ValueError(
+                f"cached_when must be one of {', '.join(CACHED_WHEN)}, got {self.cached_when!r}"
+            )
         if self.scrape_interval_s <= 0 or self.transfer_bytes_per_s <= 0:
             raise ValueError("scrape_interval_s and transfer_bytes_per_s must be positive")
         for i, endpoint in enumerate(self.endpoints):
@@ -888,18 +899,11 @@ class ClusterSimulator:
     def _complete_step(self, engine: _Engine, now_s: float) -> None:
         engine.counter += 1
         counter = engine.counter
-        block_size = self.config.block_size
-        cache = engine.cache
         prefilling = engine.prefilling
         for seq, chunk in engine.plan:
             if chunk:
                 seq.computed += chunk
-                num_full = min(seq.computed // block_size, len(seq.keys))
-                if num_full > seq.held:
-                    keys = seq.keys
-                    cache.store([StoredBlock(keys[i], None, ()) for i in range(seq.held, num_full)])
-                    seq.private -= num_full - seq.held
-                    seq.held = num_full
+                self._store_prompt(engine, seq, seq.computed)
                 if seq.computed < seq.prompt_tokens:
                     continue
             # Prefill done (or a remote-prefilled sequence's first step): the first token.
@@ -915,6 +919,15 @@ class ClusterSimulator:
         engine.plan = []
         self._dirty.add(engine.id)
 
+    def _store_prompt(self, engine: _Engine, seq: _Seq, num_tokens: int) -> None:
+        """Cache the sequence's full prompt blocks within its first ``num_tokens`` tokens."""
+        num_full = min(num_tokens // self.config.block_size, len(seq.keys))
+        if num_full > seq.held:
+            keys = seq.keys
+            engine.cache.store([StoredBlock(keys[i], None, ()) for i in range(seq.held, num_full)])
+            seq.private -= num_full - seq.held
+            seq.held = num_full
+
     def _boundary(self, engine: _Engine, now_s: float) -> None:
         """A step boundary: retire finished sequences, then plan and start the next step."""
         decoding = engine.decoding
@@ -924,6 +937,7 @@ class ClusterSimulator:
             engine.decode_context -= _context_offset(seq)
             self._finish(engine, seq, now_s)
         budget = engine.max_batched - len(decoding)
+        at_schedule = self.config.cached_when == "scheduled"
         plan: list[tuple[_Seq, int]] = []
         prefill_tokens = 0
         for seq in engine.prefilling:
@@ -932,6 +946,8 @@ class ClusterSimulator:
             remaining = seq.prompt_tokens - seq.computed
             chunk = remaining if remaining < budget else budget
             plan.append((seq, chunk))
+            if chunk and at_schedule:
+                self._store_prompt(engine, seq, seq.computed + chunk)
             prefill_tokens += chunk
             budget -= chunk if chunk else 1
         waiting = engine.waiting
@@ -946,6 +962,8 @@ class ClusterSimulator:
             remaining = seq.prompt_tokens - seq.computed
             chunk = remaining if remaining < budget else budget
             plan.append((seq, chunk))
+            if chunk and at_schedule:
+                self._store_prompt(engine, seq, seq.computed + chunk)
             prefill_tokens += chunk
             budget -= chunk if chunk else 1
         hardware = engine.hardware

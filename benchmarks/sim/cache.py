@@ -25,8 +25,9 @@ The pool mirrors vLLM's ``BlockPool`` at the level a router can observe::
 - ``allocate`` pins a request's cache hits and reserves private slots for everything else it
   will compute, evicting unreferenced cached blocks when no empty slot is left. Referenced
   blocks are never evicted.
-- ``store`` turns private slots into cached blocks once their KV has been computed (so a block
-  is only hit after its prefill chunk ran, as in vLLM).
+- ``store`` turns private slots into cached blocks: the engine calls it when it schedules a
+  prefill chunk, as vLLM v1 caches full blocks when it allocates their slots (or, with its
+  ``cached_when="computed"``, once the chunk's step has ended).
 - ``release`` unpins blocks; they stay cached and become evictable.
 - ``usage`` follows vLLM's ``kv_cache_usage_perc``: evictable cached blocks count as free.
 """

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from kv_picker_bench.sim.endpoint import ROLES, SimEndpoint, SimEndpointConfig
+from kv_picker_bench.sim.engine import CACHED_WHEN
 from kv_picker_bench.sim.events import ENCODINGS
 from kv_picker_bench.sim.openai_api import ENDPOINT_HEADER
 from kv_picker_bench.sim.timing import DEFAULT_TIMING, TIMING_PROFILES, describe_profiles
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of generated tokens (default %(default)s)"
+    )
+    parser.add_argument(
+        "--cached-when",
+        choices=CACHED_WHEN,
+        default=CACHED_WHEN[0],
+        help="when a prompt block becomes a cache hit: scheduled (from the step that schedules "
+        "its prefill chunk, as vLLM v1 caches blocks when it allocates them; the default) or "
+        "computed (once that step has ended, the older model)",
     )
     parser.add_argument(
         "--hash-seed",
@@ -187,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> SimEndpointConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         hash_seed=args.hash_seed,
+        cached_when=args.cached_when,
         lora_modules=tuple(item.split("=", 1)[0] for item in args.lora_modules),
         max_loras=args.max_loras,
         advertise_address=args.advertise_address,

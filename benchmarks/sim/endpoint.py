@@ -95,6 +95,8 @@ class SimEndpointConfig:
         kv_bytes_per_token: KV bytes per token of the served model (default: Llama-3.1-8B in
             BF16, 2 (K,V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131,072).
         prefill_leg_timeout_s: wall seconds to wait for a prefill leg before prefilling here.
+        cached_when: when a prompt block becomes a cache hit: ``scheduled`` (vLLM v1) or
+            ``computed`` (see :mod:`kv_picker_bench.sim.engine`).
     """
 
     host: str = "127.0.0.1"
@@ -122,6 +124,7 @@ class SimEndpointConfig:
     kv_transfer_gbps: float = 200.0
     kv_bytes_per_token: int = 131_072
     prefill_leg_timeout_s: float = 60.0
+    cached_when: str = "scheduled"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -162,6 +165,7 @@ class SimEndpointConfig:
             timing=timing_profile(self.timing),
             hash_seed=self.hash_seed,
             seed=self.seed,
+            cached_when=self.cached_when,
         )
 
 

@@ -25,11 +25,16 @@ Scheduling follows vLLM v1 at the level a router can observe:
   prefill time grows with the *uncached* prompt tokens and faster than linearly with the context.
 - Output tokens are pseudo-random but deterministic (seeded by the prompt and ``seed``), and
   every request generates exactly ``max_tokens`` tokens (finish reason ``length``).
-- Blocks become cached as their KV is computed, as in vLLM: prompt blocks as prefill chunks
-  complete, and blocks of prompt tail plus output as decode fills them (the KV of an output
-  token exists from the step after it was sampled). A listener hears every stored block
-  together with the storing request's LoRA adapter and cache salt, which vLLM's
-  ``BlockStored`` events carry and the cache itself does not know.
+- A prompt block is cached from the step that schedules its prefill chunk, as vLLM v1 caches
+  full blocks when it allocates their slots (``KVCacheManager.allocate_slots``), not when their
+  KV has been written: a request admitted later in the same step, or in a later one, hits the
+  blocks a running request is computing, and computes only the rest (in a forward pass each
+  layer writes the batch's KV before its attention reads it). ``cached_when="computed"`` keeps
+  the older model, where a block is hit only after its chunk's step has ended; results measured
+  before the change reproduce with it. Blocks of prompt tail plus output are cached as decode
+  fills them (the KV of an output token exists from the step after it was sampled). A listener
+  hears every stored block together with the storing request's LoRA adapter and cache salt,
+  which vLLM's ``BlockStored`` events carry and the cache itself does not know.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ from kv_picker_bench.sim.cache import _digest as _block_digest  # keys must equa
 from kv_picker_bench.sim.timing import DEFAULT_TIMING
 from kv_picker_bench.sim.timing import TimingModel as TimingModel  # re-exported
 from kv_picker_bench.sim.tokenizer import RESERVED_IDS, VOCAB_SIZE
+
+CACHED_WHEN = ("scheduled", "computed")
+"""When a prompt block becomes a cache hit (see the module's docstring); the first is vLLM's."""
 
 DEFAULT_NUM_GPU_BLOCKS = 2048
 """KV capacity (blocks) of the reference hardware class when none is configured."""
@@ -97,6 +105,8 @@ class EngineConfig:
         timing: Timing profile of the reference hardware (H100), scaled by ``hardware``.
         hash_seed: ``PYTHONHASHSEED`` string of the emulated pod (root of the block hashes).
         seed: Seed of the generated output tokens.
+        cached_when: When a prompt block becomes a cache hit: ``scheduled`` (from the step
+            that schedules its chunk, as vLLM v1) or ``computed`` (once that step has ended).
     """
 
     block_size: int = 16
@@ -108,8 +118,13 @@ class EngineConfig:
     timing: TimingModel = DEFAULT_TIMING
     hash_seed: str = "0"
     seed: int = 0
+    cached_when: str = "scheduled"
 
     def __post_init__(self) -> None:
+        if self.cached_when not in CACHED_WHEN:
+            raise ValueError(
+                f"cached_when must be one of {', '.join(CACHED_WHEN)}, got {self.cached_when!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value <= 0:
@@ -458,6 +473,7 @@ class SimEngine:
         """
         config = self.config
         budget_tokens = config.max_num_batched_tokens
+        at_schedule = config.cached_when == "scheduled"
         # (request, prompt tokens computed in this step; 0 means a decode)
         scheduled: list[tuple[_Request, int]] = []
         num_prefill_tokens = 0
@@ -470,6 +486,8 @@ class SimEngine:
             if remaining > 0:
                 chunk = min(remaining, budget_tokens)
                 scheduled.append((request, chunk))
+                if at_schedule:
+                    self._store_prompt_blocks(request, request.num_computed_tokens + chunk)
                 num_prefill_tokens += chunk
                 budget_tokens -= chunk
             else:
@@ -486,6 +504,8 @@ class SimEngine:
             self._running.append(request)
             chunk = min(len(request.prompt_token_ids) - request.num_computed_tokens, budget_tokens)
             scheduled.append((request, chunk))
+            if at_schedule and chunk > 0:
+                self._store_prompt_blocks(request, request.num_computed_tokens + chunk)
             num_prefill_tokens += chunk
             budget_tokens -= chunk
 
@@ -574,8 +594,12 @@ class SimEngine:
 
     def _complete_prefill_chunk(self, request: _Request, chunk: int) -> None:
         request.num_computed_tokens += chunk
+        self._store_prompt_blocks(request, request.num_computed_tokens)
+
+    def _store_prompt_blocks(self, request: _Request, num_tokens: int) -> None:
+        """Cache the request's full prompt blocks within its first ``num_tokens`` tokens."""
         keys = request.block_keys
-        num_full = min(request.num_computed_tokens // self.config.block_size, len(keys))
+        num_full = min(num_tokens // self.config.block_size, len(keys))
         first = request.num_held_keys
         if num_full <= first:
             return

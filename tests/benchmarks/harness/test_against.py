@@ -507,6 +507,47 @@ def test_stored_draws_under_different_policy_seeds_are_refused(
     assert not out.exists()
 
 
+def test_candidates_run_under_the_stored_matrixs_engine_model(
+    stored: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for draw in (1, 3):
+        assert (
+            json.loads((stored / f"draw-{draw}" / "matrix.json").read_text())["cached_when"]
+            == "scheduled"
+        )
+    out = tmp_path / "out"
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(stored),
+                        "--cached-when", "computed", "--policy", "least-queue",
+                        "--out", str(out)])  # fmt: skip
+    assert code == 2
+    assert "ran --cached-when scheduled; candidates are judged under the stored" in (
+        capsys.readouterr().err
+    )
+    assert not out.exists()
+    # A matrix stored before the field ran the older model, and says so.
+    copy = tmp_path / "copy"
+    shutil.copytree(stored, copy)
+    for draw in (1, 3):
+        path = copy / f"draw-{draw}" / "matrix.json"
+        document = json.loads(path.read_text())
+        del document["cached_when"]
+        path.write_text(json.dumps(document))
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(copy),
+                        "--cached-when", "scheduled", "--policy", "least-queue",
+                        "--out", str(out)])  # fmt: skip
+    assert code == 2
+    assert f"{copy} ran --cached-when computed" in capsys.readouterr().err
+    # Mixed draws are refused.
+    path = copy / "draw-3" / "matrix.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "cached_when": "scheduled"}))
+    code = matrix.main([*SMALL, "--family-seed", "1,3", "--against", str(copy),
+                        "--policy", "least-queue", "--out", str(out)])  # fmt: skip
+    assert code == 2
+    assert "different engine models (draw 1: computed; draw 3: scheduled)" in (
+        capsys.readouterr().err
+    )
+
+
 def _cells(path: Path) -> dict[tuple[str, float], dict[str, dict]]:
     """A stored matrix.json's figures per cell and policy, without the run's wall time."""
     cells = json.loads(path.read_text())["cells"]

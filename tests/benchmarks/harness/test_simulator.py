@@ -86,6 +86,7 @@ def reference_engine_run(trace, config) -> list[tuple[float, float, int]]:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            cached_when=config.cached_when,
         )
     )
     arrivals = [(r.arrival_s, r) for r in trace.requests]
@@ -113,8 +114,9 @@ def reference_engine_run(trace, config) -> list[tuple[float, float, int]]:
     return [(first[str(i)], finish[str(i)], cached[str(i)]) for i in range(len(arrivals))]
 
 
+@pytest.mark.parametrize("cached_when", ["scheduled", "computed"])
 @pytest.mark.parametrize("num_gpu_blocks", [2000, 700, 500])
-def test_same_timing_and_hits_as_the_endpoint_engine(num_gpu_blocks: int) -> None:
+def test_same_timing_and_hits_as_the_endpoint_engine(num_gpu_blocks: int, cached_when: str) -> None:
     # One endpoint, so routing plays no part: the event-driven simulator must reproduce the
     # step-by-step engine exactly (queueing, chunked prefill, decode stretches, blocks cached
     # as prefill and decode fill them, LRU eviction under pressure at 700 and 500 blocks).
@@ -134,7 +136,9 @@ def test_same_timing_and_hits_as_the_endpoint_engine(num_gpu_blocks: int) -> Non
         ids = shared + question
         rows.append((arrival_s, 16 * len(ids) - rng.randrange(16), rng.randrange(5, 120), ids))
     trace = make_trace(rows)
-    config = small_cluster(1, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8)
+    config = small_cluster(
+        1, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8, cached_when=cached_when
+    )
     expected = reference_engine_run(trace, config)
     result = simulate(trace, config, "round-robin", check=True)
     got = [(o.first_token_s, o.finish_s, o.cached_tokens) for o in result.outcomes]
@@ -145,6 +149,21 @@ def test_same_timing_and_hits_as_the_endpoint_engine(num_gpu_blocks: int) -> Non
         assert cached_g == cached_e
         assert first_g == pytest.approx(first_e, abs=1e-6)
         assert finish_g == pytest.approx(finish_e, abs=1e-6)
+
+
+@pytest.mark.parametrize("cached_when", ["scheduled", "computed"])
+def test_requests_admitted_together_share_what_the_first_computes(cached_when: str) -> None:
+    # An endpoint busy with one long prefill: two requests with one prompt queue behind it
+    # and are admitted in the same step. Under `scheduled` the second hits the blocks the
+    # first was just allocated; under `computed` both compute the prompt.
+    busy = list(range(1000, 1400))
+    shared = list(range(64))
+    rows = [(0.0, 400 * 16, 2, busy), (0.001, 64 * 16, 2, shared), (0.002, 64 * 16, 2, shared)]
+    config = small_cluster(1, num_gpu_blocks=2000, cached_when=cached_when)
+    result = simulate(make_trace(rows), config, "round-robin", check=True)
+    assert [o.status for o in result.outcomes] == [OK] * 3
+    cached = [o.cached_tokens for o in result.outcomes]
+    assert cached == ([0, 0, 1008] if cached_when == "scheduled" else [0, 0, 0])
 
 
 def test_scraped_metrics_lag_by_the_scrape_interval() -> None:

@@ -300,3 +300,41 @@ def test_config_validation() -> None:
         EngineConfig(block_size=0)
     with pytest.raises(ValueError):
         EngineConfig(num_gpu_blocks=0)
+
+
+@pytest.mark.parametrize(("cached_when", "hit"), [("scheduled", 192), ("computed", 0)])
+def test_a_prompt_admitted_in_the_same_step_hits_the_blocks_scheduled_before_it(
+    cached_when: str, hit: int
+) -> None:
+    # vLLM v1 caches full blocks when it allocates their slots: the second request, scheduled
+    # after the first in the same step, finds the first's 12 full blocks (the last prompt
+    # token is always recomputed). The older model hits only blocks whose step has ended.
+    engine = SimEngine(EngineConfig(cached_when=cached_when))
+    tokens = prompt(21, 200)
+    engine.add_request("a", tokens, 2, now_s=0.0)
+    engine.add_request("b", tokens, 2, now_s=0.0)
+    run = run_until_idle(engine)
+    assert run.finished["a"].num_cached_tokens == 0
+    assert run.finished["b"].num_cached_tokens == hit
+    assert engine.cache.hits_tokens == hit
+
+
+@pytest.mark.parametrize(("cached_when", "hit"), [("scheduled", 992), ("computed", 512)])
+def test_a_prompt_admitted_beside_a_running_chunk_hits_that_chunks_blocks(
+    cached_when: str, hit: int
+) -> None:
+    # A 1,000-token prompt in 512-token chunks: the second request waits behind the first
+    # chunk's step and is admitted with the last chunk, which is scheduled before it.
+    engine = SimEngine(EngineConfig(max_num_batched_tokens=512, cached_when=cached_when))
+    tokens = prompt(22, 1000)
+    engine.add_request("a", tokens, 2, now_s=0.0)
+    first = engine.step(0.0)
+    assert first.num_prefill_tokens == 512
+    engine.add_request("b", tokens, 2, now_s=first.end_s)
+    run = run_until_idle(engine, first.end_s)
+    assert run.finished["b"].num_cached_tokens == hit
+
+
+def test_cached_when_must_be_a_known_model() -> None:
+    with pytest.raises(ValueError, match="cached_when must be one of scheduled, computed"):
+        EngineConfig(cached_when="written")
