@@ -598,7 +598,7 @@ def run_live(argv: Sequence[str], command: str) -> int:
     if args.cell is not None:
         draw = DEFAULT_FAMILY_SEED if args.family_seed is None else args.family_seed
         cell, trace, config, load = cell_workload(
-            args.cell, draw, getattr(args, "responses", "full")
+            args.cell, draw, getattr(args, "responses", "full"), cached_when=args.cached_when
         )
         if CLUSTERS[cell.cluster].pd:
             raise UsageError(

@@ -64,6 +64,7 @@ from kv_picker_bench.harness.policies import (
 )
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator
 from kv_picker_bench.harness.traces import TraceError, TraceRequest
+from kv_picker_bench.sim.engine import CACHED_WHEN
 
 
 @dataclass(slots=True)
@@ -154,6 +155,7 @@ def find_moves(
     responses: str = "full",
     seed: int = 0,
     quick: bool = False,
+    cached_when: str = CACHED_WHEN[0],
 ) -> MovesReport:
     """Replay one matrix cell with ``policy`` and collect its moves (module docstring).
 
@@ -163,7 +165,7 @@ def find_moves(
     """
     if min_tokens < 1:
         raise ConfigError(f"--min-tokens must be at least 1, not {min_tokens}")
-    cell, trace, config, _ = cell_workload(cell_text, draw, responses, quick)
+    cell, trace, config, _ = cell_workload(cell_text, draw, responses, quick, cached_when)
     # On the P/D pool the matrix runs the policy under the P/D profile handler.
     pd = CLUSTERS[cell.cluster].pd
     run = pd_variant(policy) if pd else policy
@@ -448,6 +450,10 @@ def main(argv: Sequence[str]) -> int:
         "--responses", choices=("full", "lean", "end-only"), default="full",
         help="what the gateway shows the picker of each response (see bench matrix --help)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cached-when", choices=CACHED_WHEN, default=CACHED_WHEN[0],
+        help="when a prompt block becomes a cache hit (see bench matrix --help; scheduled)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the policy's seed (0)")
     parser.add_argument("--quick", action="store_true", help="the matrix's small traces")
     parser.add_argument("--out", help="also write moves.md and moves.json into this folder")
@@ -465,6 +471,7 @@ def main(argv: Sequence[str]) -> int:
             args.responses,
             args.seed,
             args.quick,
+            args.cached_when,
         )
     except (ConfigError, TraceError) as exc:
         print(f"kv-picker bench moves: error: {exc}", file=sys.stderr)
