@@ -1043,12 +1043,8 @@ class ClusterSimulator:
 
     def _on_transfer_done(self, payload: tuple[_Engine, _Seq], now_s: float) -> None:
         engine, seq = payload
-        keys = seq.keys
-        num_full = len(keys)
-        if num_full > seq.held:
-            engine.cache.store([StoredBlock(keys[i], None, ()) for i in range(seq.held, num_full)])
-            seq.private -= num_full - seq.held
-            seq.held = num_full
+        # Every full prompt block arrived: cached as a computed chunk would be.
+        self._store_prompt(engine, seq, len(seq.keys) * self.config.block_size)
         seq.computed = seq.prompt_tokens
         seq.loading = False
         engine.prefilling.append(seq)

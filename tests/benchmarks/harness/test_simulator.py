@@ -166,6 +166,11 @@ def test_requests_admitted_together_share_what_the_first_computes(cached_when: s
     assert cached == ([0, 0, 1008] if cached_when == "scheduled" else [0, 0, 0])
 
 
+def test_an_unknown_engine_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="cached_when must be one of scheduled, computed"):
+        small_cluster(1, cached_when="written")
+
+
 def test_scraped_metrics_lag_by_the_scrape_interval() -> None:
     trace = make_trace([(0.0, 64, 2000, [1, 2, 3, 4]), (0.01, 64, 2000, [5, 6, 7, 8])])
     seen: list[tuple[float, float, float]] = []
