@@ -48,9 +48,12 @@ workers' events and its own response streams.
 P/D runs wrap any policy with :func:`pd_variant`: the service's ``pd-profile-handler`` over a
 ``decode`` and a ``prefill`` profile, each with its own copy of the policy's plugins behind its
 role filter. A harness plugin whose type the service's registry also has is left out (the
-service's wins). A policy file may set ``pdParameters`` (a harness key, read here and not passed
-to the service): per side (``decode``, ``prefill``) and plugin name, parameters that side's copy
-takes over the shared ones, as a production P/D config sets each profile's plugins apart::
+service's wins). Each copy of a harness picker books a request (its loads, its prefix record)
+on the endpoint its own profile picked (:func:`placed_by`): the prefill copy on the prefill
+endpoint, released at the first token, the decode copy on the destination. A policy file may
+set ``pdParameters`` (a harness key, read here and not passed to the service): per side
+(``decode``, ``prefill``) and plugin name, parameters that side's copy takes over the shared
+ones, as a production P/D config sets each profile's plugins apart::
 
     pdParameters:
       decode:
@@ -87,6 +90,33 @@ from kv_picker_bench.harness.simulator import (
 from kv_picker_bench.harness.traces import Trace
 
 # ------------------------------------------------------------------------------ plugins
+
+
+def picked_key(name: str) -> str:
+    """The request-state key under which the harness picker ``name`` keeps the endpoint it
+    picked. A P/D policy runs a copy of the picker in each profile, on the same request, so
+    each copy keeps its own pick."""
+    return f"{name}.picked"
+
+
+def placed_by(name: str, request: LLMRequest, result: SchedulingResult) -> tuple[int, bool] | None:
+    """Where the picker ``name`` placed ``request``: the endpoint it picked, and whether that
+    endpoint only prefills it (the P/D handler's prefill endpoint); None when its pick is not
+    where the request went (its profile did not run, or the handler did not use it).
+
+    Every copy of a picker sees every pick's whole result; each must book the request on the
+    endpoint its own profile picked. Booked on the destination, a prefill copy's loads land
+    on decode endpoints, never on the prefill endpoints it ranks, and it sees its own pool as
+    idle whatever it sent there."""
+    endpoint_id = request.state.get(picked_key(name))
+    if endpoint_id is None:
+        return None
+    if endpoint_id == result.destination.id:
+        return endpoint_id, False
+    prefill = result.prefill_endpoint
+    if prefill is not None and endpoint_id == prefill.id:
+        return endpoint_id, True
+    return None
 
 
 @dataclass(frozen=True)
@@ -159,13 +189,18 @@ class SGLangCacheAwarePicker:
     def pick(
         self, request: LLMRequest, candidates: Sequence[Endpoint], totals: Sequence[float]
     ) -> list[Endpoint]:
+        chosen = self._choose(request, candidates)
+        request.state[picked_key(self.name)] = chosen.id
+        return [chosen]
+
+    def _choose(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> Endpoint:
         params = self.params
         in_flight = self._in_flight
         loads = [in_flight[e.id] for e in candidates]
         high, low = max(loads), min(loads)
         if high - low > params.balanceAbsThreshold and high > low * params.balanceRelThreshold:
             self.balance_decisions += 1
-            return [self._least_loaded(candidates)]
+            return self._least_loaded(candidates)
         keys = self._keys(request)
         runs = self._runs
         best = self.index.runs(keys, mask_of(candidates), runs) if keys else 0
@@ -175,14 +210,15 @@ class SGLangCacheAwarePicker:
             if match_rate > params.cacheThreshold:
                 self.cache_decisions += 1
                 matched = [e for e in candidates if runs[e.id] == best]
-                return [self._least_loaded(matched)]
+                return self._least_loaded(matched)
         self.balance_decisions += 1
-        return [self._least_loaded(candidates)]
+        return self._least_loaded(candidates)
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
+        placed = placed_by(self.name, request, result)
         keys = self._keys(request)
-        if keys:
-            self.index.record(result.primary.targets[0].id, keys)
+        if placed is not None and keys:
+            self.index.record(placed[0], keys)
 
 
 class EventBlockIndex:
@@ -232,6 +268,7 @@ class _Active:
     endpoint_id: int
     blocks: int
     prefill_tokens: int
+    prefill_only: bool = False  # a P/D prefill endpoint's leg: it ends at the first token
 
 
 class DynamoCostPicker:
@@ -250,6 +287,7 @@ class DynamoCostPicker:
         self._active_blocks: dict[int, int] = {}
         self._prefill_tokens: dict[int, int] = {}
         self._requests: dict[str, _Active] = {}
+        self._new_tokens_key = f"{name}.new_tokens"
 
     # KV events (the simulator delivers them to subscribers)
     def on_blocks_stored(self, endpoint_id: int, block_keys: Sequence[int]) -> None:
@@ -305,14 +343,18 @@ class DynamoCostPicker:
         else:
             tied = [e for e, c in zip(candidates, costs, strict=True) if c == low]
             chosen = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
-        request.state["dynamo.new_tokens"] = input_tokens - runs[chosen.id] * block_size
+        request.state[picked_key(self.name)] = chosen.id
+        request.state[self._new_tokens_key] = input_tokens - runs[chosen.id] * block_size
         return [chosen]
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
-        endpoint_id = result.primary.targets[0].id
+        placed = placed_by(self.name, request, result)
+        if placed is None:
+            return
+        endpoint_id, prefill_only = placed
         blocks = -(-self._input_tokens(request) // self.params.blockSize)
-        new_tokens = int(request.state.get("dynamo.new_tokens", 0))
-        self._requests[request.request_id] = _Active(endpoint_id, blocks, new_tokens)
+        new_tokens = int(request.state.get(self._new_tokens_key, 0))
+        self._requests[request.request_id] = _Active(endpoint_id, blocks, new_tokens, prefill_only)
         self._active_blocks[endpoint_id] = self._active_blocks.get(endpoint_id, 0) + blocks
         self._prefill_tokens[endpoint_id] = self._prefill_tokens.get(endpoint_id, 0) + new_tokens
         if self.approx is not None:
@@ -321,11 +363,18 @@ class DynamoCostPicker:
     # request progress (the router sees the response stream)
     def on_first_token(self, request: LLMRequest, endpoint_id: int) -> None:
         active = self._requests.get(request.request_id)
-        if active is not None and active.prefill_tokens:
+        if active is None:
+            return
+        if active.prefill_tokens:
             self._prefill_tokens[active.endpoint_id] -= active.prefill_tokens
             active.prefill_tokens = 0
+        if active.prefill_only:  # the prefill endpoint's part is over: it holds nothing more
+            self._release(request)
 
     def on_finished(self, request: LLMRequest, endpoint_id: int) -> None:
+        self._release(request)
+
+    def _release(self, request: LLMRequest) -> None:
         active = self._requests.pop(request.request_id, None)
         if active is None:
             return

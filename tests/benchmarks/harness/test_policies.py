@@ -118,6 +118,82 @@ def test_dynamo_cost_function_matches_the_documented_example() -> None:
     assert all(not holders & 0b10 for holders in picker.events.holders.values())
 
 
+def pd_picked(decode_endpoint, prefill_endpoint) -> SchedulingResult:  # type: ignore[no-untyped-def]
+    """A P/D pick: the decode profile's endpoint is the destination, the prefill profile's
+    computes the prompt."""
+    return SchedulingResult(
+        "decode",
+        {
+            "decode": ProfileResult([decode_endpoint], [decode_endpoint], [0.0]),
+            "prefill": ProfileResult([prefill_endpoint], [prefill_endpoint], [0.0]),
+        },
+        prefill_profile="prefill",
+    )
+
+
+def test_under_pd_each_dynamo_copy_books_the_request_on_its_own_sides_endpoint() -> None:
+    # Endpoints 0-1 prefill, 2-3 decode; one copy of the picker per profile, as pd_variant
+    # builds them, both seeing every pick's whole result on the same request.
+    store = store_with(4)
+    ctx = BuildContext(store, random.Random(0), store.now, 2.0)
+    prefill = DynamoCostPicker("prefill-d", DynamoCostParams(blockSize=16), ctx)
+    decode = DynamoCostPicker("decode-d", DynamoCostParams(blockSize=16), ctx)
+    endpoints = store.all()
+    req = request(**{BLOCK_KEYS_STATE: list(range(10)), PROMPT_TOKENS: 160})
+    assert decode.pick(req, endpoints[2:], [])[0].id in (2, 3)
+    chosen_decode = req.state["decode-d.picked"]
+    assert prefill.pick(req, endpoints[:2], [])[0].id in (0, 1)
+    chosen_prefill = req.state["prefill-d.picked"]
+    result = pd_picked(endpoints[chosen_decode], endpoints[chosen_prefill])
+    for copy in (decode, prefill):
+        copy.on_pick(req, result)
+    # The prefill copy's load is on the prefill endpoint it ranks, not on the destination.
+    assert prefill._active_blocks == {chosen_prefill: 10}
+    assert prefill._prefill_tokens == {chosen_prefill: 160}
+    assert decode._active_blocks == {chosen_decode: 10}
+    # So the next prompt goes to the other prefill endpoint.
+    other = request(request_id="r2", **{BLOCK_KEYS_STATE: [99], PROMPT_TOKENS: 16})
+    assert prefill.pick(other, endpoints[:2], [])[0].id == 1 - chosen_prefill
+    # The prefill endpoint's part ends at the first token; the destination's at the end.
+    for copy in (decode, prefill):
+        copy.on_first_token(req, chosen_decode)
+    assert prefill._active_blocks[chosen_prefill] == 0 and not prefill._requests
+    assert decode._active_blocks[chosen_decode] == 10
+    for copy in (decode, prefill):
+        copy.on_finished(req, chosen_decode)
+    assert decode._active_blocks[chosen_decode] == 0
+    assert prefill._active_blocks[chosen_prefill] == 0  # released once, not twice
+    # A copy whose pick the handler did not use (served aggregated) books nothing.
+    alone = request(request_id="r3", **{BLOCK_KEYS_STATE: [7], PROMPT_TOKENS: 16})
+    decode.pick(alone, endpoints[2:], [])
+    prefill.pick(alone, endpoints[:2], [])
+    aggregated = picked(endpoints[alone.state["decode-d.picked"]])
+    for copy in (decode, prefill):
+        copy.on_pick(alone, aggregated)
+    assert "r3" in decode._requests and "r3" not in prefill._requests
+
+
+def test_under_pd_the_sglang_prefill_copy_learns_its_own_endpoints_prefixes() -> None:
+    store = store_with(4)
+    ctx = BuildContext(store, random.Random(), store.now, 2.0)
+    params = SGLangCacheAwareParams(blockSizeChars=8)
+    prefill = SGLangCacheAwarePicker("prefill-s", params, ctx)
+    decode = SGLangCacheAwarePicker("decode-s", params, ctx)
+    endpoints = store.all()
+    shared = "system prompt shared by all " * 4
+    first = request(shared + "question one")
+    assert decode.pick(first, endpoints[2:], [])[0].id == 2
+    assert prefill.pick(first, endpoints[:2], [])[0].id == 0
+    for copy in (decode, prefill):
+        copy.on_pick(first, pd_picked(endpoints[2], endpoints[0]))
+    # Endpoint 0 now busier: the prefix it holds keeps the next question there, as the rule
+    # says, which it can only do having recorded the prompt for endpoint 0.
+    store.in_flight[0] = 5
+    second = request(shared + "question two", request_id="r2")
+    assert prefill.pick(second, endpoints[:2], [])[0].id == 0
+    assert decode.pick(second, endpoints[2:], [])[0].id == 2
+
+
 def test_dynamo_temperature_samples_cheaper_endpoints_more_often() -> None:
     store = store_with(2)
     ctx = BuildContext(store, random.Random(1), store.now, 2.0)

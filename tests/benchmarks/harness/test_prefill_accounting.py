@@ -8,15 +8,16 @@ would say nothing about them.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from kv_picker.request import LLMRequest
-from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant
+from kv_picker_bench.harness.policies import Policy, harness_registry, pd_variant, resolve_policy
 from kv_picker_bench.harness.simulator import OK, ClusterSimulator, EndpointSetup, SimulationResult
-from tests.benchmarks.harness.conftest import make_trace, small_cluster, small_trace
+from tests.benchmarks.harness.conftest import make_trace, simulate, small_cluster, small_trace
 
 TOKEN_AWARE = Policy(
     "token-aware",
@@ -191,3 +192,29 @@ def test_without_first_bytes_a_prefill_stays_queued_until_the_count_or_its_end_s
     # Either way, every request's end releases what it queued.
     assert simulator.store.prefill_tokens == [0.0]
     assert simulator.store.prefill_requests == [0]
+
+
+@pytest.mark.parametrize("baseline", ["dynamo-cost", "sglang-cache-aware"])
+def test_under_pd_a_baselines_prefill_copy_spreads_a_burst_over_the_prefill_pool(
+    baseline: str,
+) -> None:
+    # Eight distinct 4,000-token prompts at once on two prefill and two decode endpoints: each
+    # prefill copy books what it sends on its own prefill endpoints, so the burst is shared
+    # between them. (Booked on the destination, the prefill pool looked idle to it whatever it
+    # had sent there, and Dynamo's rule sent every prompt to one prefill endpoint.)
+    trace = make_trace(
+        [(0.001 * i, 4000, 4, list(range(1000 * i + 1, 1000 * i + 251))) for i in range(8)]
+    )
+    config = replace(
+        small_cluster(4, num_gpu_blocks=4000),
+        endpoints=(
+            EndpointSetup("prefill"),
+            EndpointSetup("prefill"),
+            EndpointSetup("decode"),
+            EndpointSetup("decode"),
+        ),
+    )
+    result = simulate(trace, config, pd_variant(resolve_policy(baseline)))
+    assert all(o.status == OK for o in result.outcomes)
+    counts = Counter(o.prefill_endpoint for o in result.outcomes)
+    assert set(counts) == {0, 1} and min(counts.values()) >= 3, counts
