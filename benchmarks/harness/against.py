@@ -272,6 +272,13 @@ def merge(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> lis
     return merged
 
 
+def merge_into(stored: Mapping[Cell, CellResult], fresh: Sequence[CellResult]) -> list[CellResult]:
+    """Every stored cell, in the stored order, with the fresh runs laid over the cells they
+    ran on (as :func:`merge` lays them) and the other cells as stored."""
+    fresh_cells = {result.cell: result for result in merge(stored, fresh)}
+    return [fresh_cells.get(cell, result) for cell, result in stored.items()]
+
+
 def candidate_runs(path: Path) -> dict[int, dict[Cell, dict[str, PolicyMetrics]]]:
     """The candidates' own runs an ``against.json`` (or ``.json.gz``) keeps, per draw and cell:
     what :func:`merge` adds to the stored cells, read back so that a stored run can be judged

@@ -1290,7 +1290,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cells and policy seeds, and write a whole matrix to --out with every other stored "
         "policy's runs kept as they are: after a change to the default, its figures without "
         "running the baselines again (each policy's run is independent of the others' and "
-        "deterministic under its seed)",
+        "deterministic under its seed); with --policy, those stored policies in its place "
+        "(after a fix to a baseline), and with --families, --loads, --clusters or --timing, "
+        "on those cells only, every other stored cell kept as it is",
     )
     parser.add_argument("--out", type=Path, help="results folder (default: results/<time>-...)")
     parser.add_argument("--title", default="", help="title of the Markdown report")
@@ -1324,12 +1326,13 @@ def _matrix(argv: Sequence[str]) -> int:
             raise UsageError("--report runs nothing: it takes no --against, --policy or --seed")
         return _rewrite_reports(args)
     if args.refresh is not None:
-        if args.against is not None or args.policy or args.seed is not None or args.sample:
+        if args.against is not None or args.seed is not None or args.sample:
             raise UsageError(
-                "--refresh runs the built-in default on the stored matrix's own seeds: it takes "
-                "no --against, --policy, --seed or --sample"
+                "--refresh runs stored policies again on the stored matrix's own seeds: it "
+                "takes no --against, --seed or --sample"
             )
-        return _refresh(args, argv, draws, families, loads, clusters, timings)
+        rerun = policies if args.policy else []
+        return _refresh(args, argv, draws, families, loads, clusters, timings, rerun)
     cells = parse_cells(args.cells)
     if args.against is None and (args.cells != "all" or args.sample):
         raise UsageError("--cells and --sample judge candidates on a stored matrix: give --against")
@@ -1597,10 +1600,12 @@ def _refresh(
     loads: Sequence[float],
     clusters: Sequence[str],
     timings: Sequence[str],
+    policies: Sequence[Policy],
 ) -> int:
-    """``--refresh DIR``: the built-in default run again on a stored matrix's cells, under each
-    of its policy seeds, with the stored runs of every other policy kept; written as a whole
-    matrix (each seed's figures, the seeds pooled, the reports) to ``--out``."""
+    """``--refresh DIR``: the built-in default (or the stored ``policies`` given) run again on
+    a stored matrix's cells that the options select, under each of its policy seeds, with the
+    stored runs of every other policy and every other cell kept; written as a whole matrix
+    (each seed's figures, the seeds pooled, the reports) to ``--out``."""
     from kv_picker_bench.harness import against
 
     if args.out is not None and args.out.resolve() == args.refresh.resolve():
@@ -1619,7 +1624,15 @@ def _refresh(
             f"--refresh: {args.refresh} pools policy seeds {', '.join(map(str, seeds))} but has "
             "not kept each seed's runs (seed-N/draw-M/), which the refresh replaces one by one"
         )
-    (default,) = resolve_policies([DEFAULT_POLICY])
+    rerun = list(policies) or resolve_policies([DEFAULT_POLICY])
+    stored_names = {n for cells in stored_draws.values() for r in cells.values() for n in r.metrics}
+    for policy in rerun:
+        if policy.name not in stored_names:
+            raise UsageError(
+                f"--refresh --policy {policy.name}: the stored matrix has no policy of that "
+                f"name (it has {', '.join(sorted(stored_names))})"
+            )
+    names = ", ".join(policy.name for policy in rerun)
     folder = results_dir(args, "matrix", "matrix")
     command = record_command(folder, "matrix", argv)
     title = args.title or "Routing-policy matrix"
@@ -1628,10 +1641,10 @@ def _refresh(
     started = time.perf_counter()
     for draw, stored in stored_draws.items():
         grid = (families, loads, clusters, timings)
-        plan = _plan_on_stored(args, "--refresh", draw, stored, [default], grid)
+        plan = _plan_on_stored(args, "--refresh", draw, stored, rerun, grid)
         _, fresh, wall_s = _timed_run(
             plan, seeds, args,
-            f"refresh draw {draw}: {len(plan.cells)} cells, {DEFAULT_POLICY} under seeds "
+            f"refresh draw {draw}: {len(plan.cells)} cells, {names} under seeds "
             f"{', '.join(map(str, seeds))}",
         )  # fmt: skip
         seed_results = {}
@@ -1641,7 +1654,7 @@ def _refresh(
                 if seed_paths is None
                 else against.load_stored(seed_paths[seed][draw], draw, args.quick)
             )
-            seed_results[seed] = against.merge(own, fresh[seed])
+            seed_results[seed] = against.merge_into(own, fresh[seed])
             if len(seeds) > 1:
                 per_seed[seed][draw] = seed_results[seed]
         results = pool_seeds(seed_results) if len(seeds) > 1 else seed_results[seeds[0]]

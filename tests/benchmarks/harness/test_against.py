@@ -602,11 +602,44 @@ def test_refresh_runs_the_default_again_and_keeps_every_other_stored_run(
     assert (out / "seeds.md").is_file() and (out / "draws.md").is_file()
 
 
+def test_refresh_runs_the_named_stored_policies_on_the_cells_asked_and_keeps_the_rest(
+    stored: Path, tmp_path: Path
+) -> None:
+    # Two loads stored; a baseline's and the default's figures edited in both. Refreshing the
+    # baseline on one load brings its true figures back there only: the default's edits, and
+    # every figure of the other load, are kept as stored.
+    two_loads = [*SMALL[:5], "--loads", "0.5,0.9", *SMALL[7:]]
+    both = tmp_path / "both"
+    code = matrix.main([*two_loads, "--policy", "kv-picker", "--policy", "gie-default",
+                        "--family-seed", "1", "--out", str(both)])  # fmt: skip
+    assert code == 0
+    edited = tmp_path / "edited"
+    shutil.copytree(both, edited)
+    path = edited / "matrix.json"
+    document = json.loads(path.read_text())
+    for cell in document["cells"]:
+        cell["policies"]["kv-picker"]["ttft_s"]["mean"] = 99.0
+        cell["policies"]["gie-default"]["ttft_s"]["p90"] = 77.0
+    path.write_text(json.dumps(document))
+    out = tmp_path / "out"
+    code = matrix.main([*SMALL, "--family-seed", "1", "--refresh", str(edited),
+                        "--policy", "gie-default", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    fresh, kept = _cells(out / "matrix.json"), _cells(both / "matrix.json")
+    assert set(fresh) == set(kept)  # every stored cell is written, not only those refreshed
+    for (family, load), policies in fresh.items():
+        assert policies["kv-picker"]["ttft_s"]["mean"] == 99.0
+        if load == 0.5:
+            assert policies["gie-default"] == kept[(family, load)]["gie-default"]
+        else:
+            assert policies["gie-default"]["ttft_s"]["p90"] == 77.0
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--policy", "gie-default"], "takes no --against, --policy, --seed or --sample"),
-        (["--seed", "1"], "takes no --against, --policy, --seed or --sample"),
+        (["--policy", "random"], "--refresh --policy random: the stored matrix has no policy"),
+        (["--seed", "1"], "takes no --against, --seed or --sample"),
     ],
 )
 def test_refresh_takes_only_the_stored_matrixs_own_policies_and_seeds(
