@@ -10,7 +10,8 @@ route(request, metadata) ─> RoutedRequest     candidates → admission → sch
    │                                          (P/D: in flight at the prefill endpoint too)
    ├── first_byte()                           the prompt has been processed: prefill done
    │     (or, when the gateway shows no response body: no_first_byte(), and the prefill ends
-   │      when the endpoint's scraped first-token count says so)
+   │      when the endpoint's scraped first-token count says so); P/D: its KV has reached the
+   │      destination, and the plugins that wait for that learn it (PromptLanded)
    └── finish(output_tokens)                  the response ended: slot released (once), the
                                               request log's row queued (with a request log)
 ```
@@ -143,6 +144,9 @@ class RoutedRequest:
         prefill, self._prefill = self._prefill, None
         if prefill is not None:
             self._director._end_prefill(*prefill, observed=observed)
+            if prefill[3] and self.request is not None and self.result is not None:
+                # Disaggregated: the prompt's KV is at the destination from now.
+                self._director.scheduler.prompt_landed(self.request, self.result)
 
     def finish(self, output_tokens: int | None = None) -> None:
         """The response ended, or the stream closed: release the in-flight slot (once).

@@ -10,8 +10,18 @@ request's full blocks. A prompt shorter than one block scores 0 everywhere.
 Inputs: the prompt's text (:attr:`kv_picker.request.Prompt.text`) cut into ``blockSizeChars``
 blocks of its UTF-8 bytes, keyed by the picker's chained block hash rooted in the model (or the
 LoRA adapter) and ``cache_salt`` (:mod:`kv_picker.state.hashing`). After each pick the
-destination, and the prefill endpoint when the profile handler chose one, are recorded as
-holding those blocks; each endpoint remembers its ``lruCapacityPerServer`` most recent keys.
+destination is recorded as holding those blocks; each endpoint remembers its
+``lruCapacityPerServer`` most recent keys. When the P/D handler disaggregated the request, the
+prefill endpoint is recorded at the pick and the destination only once the prompt's KV has
+reached it (the first response byte, or the prefill's end learned otherwise): until then the
+destination does not hold the blocks, and a request sent there meanwhile, served there without
+a prefill endpoint because the index said the prompt was cached, would compute the whole prompt
+again on a decode endpoint. On the routing matrix's P/D cells of long documents (Llama 3.1 70B,
+0.3 load, draws 1-3), recording the destination at the pick gave TTFT means of 0.81, 1.10 and
+0.54 s, against 0.46, 0.47 and 0.21 s with it recorded at the KV's arrival
+(``benchmarks/RESULTS.md`` section 1). ``recordDestinationAt: pick`` records the destination
+at the pick as well, as this scorer did before and llm-d's approximate scorer does. Other
+workers of ``serve --workers`` record a peer's P/D destination at its pick either way.
 The index outlives config reloads that keep its shape.
 
 Publishes, for other plugins, each endpoint's matched blocks
@@ -141,6 +151,42 @@ class PrefixCacheParams:
     fullYieldFree: Annotated[int, Range(ge=1)] = 1
     matchLengthWeight: Annotated[float, Range(ge=0, le=1)] = 0.0
     matchLengthScaleTokens: Annotated[float, Positive] = 8192.0
+    recordDestinationAt: Literal["landed", "pick"] = "landed"
+
+
+MAX_LANDINGS = 65_536
+"""Disaggregated requests whose KV may still be on its way to the destination, at most; past
+it the oldest is forgotten (its destination is then never recorded as holding its blocks)."""
+
+
+class Landings:
+    """The blocks each disaggregated request's destination will hold once its KV arrives, by
+    request id, oldest first."""
+
+    def __init__(self, capacity: int = MAX_LANDINGS) -> None:
+        self._capacity = capacity
+        self._pending: dict[str, tuple[Endpoint, Sequence[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def expect(self, request_id: str, destination: Endpoint, keys: Sequence[int]) -> None:
+        pending = self._pending
+        pending.pop(request_id, None)
+        pending[request_id] = (destination, keys)
+        if len(pending) > self._capacity:
+            del pending[next(iter(pending))]
+
+    def take(self, request_id: str) -> tuple[Endpoint, Sequence[int]] | None:
+        return self._pending.pop(request_id, None)
+
+
+@dataclass(slots=True)
+class _PrefixState:
+    """What a prefix scorer learned, kept across a config reload that keeps its shape."""
+
+    index: ApproximatePrefixIndex
+    landings: Landings
 
 
 class PrefixCacheScorer(PublishesPrefixMatch):
@@ -164,14 +210,17 @@ class PrefixCacheScorer(PublishesPrefixMatch):
         self.name = name
         self.params = params
 
-        def create(lifetime: Lifetime) -> ApproximatePrefixIndex:
+        def create(lifetime: Lifetime) -> _PrefixState:
             index = ApproximatePrefixIndex(params.lruCapacityPerServer)
             lifetime.hold(ctx.store.on_removed(index.remove_endpoint))
-            return index
+            return _PrefixState(index, Landings())
 
-        # The index outlives a config reload that keeps its shape.
+        # The index outlives a config reload that keeps its shape, and so do the blocks on
+        # their way to a P/D destination, which the reloaded scorer records when they land.
         key = ("prefix-index", name, params.blockSizeChars, params.lruCapacityPerServer)
-        self.index = ctx.shared_resource(key, ApproximatePrefixIndex, create)
+        state = ctx.shared_resource(key, _PrefixState, create)
+        self.index = state.index
+        self._landings = state.landings
         self._runs: list[int] = []  # by endpoint id, reused by every request
         self._store = ctx.store
         self._hardware = ctx.hardware
@@ -281,10 +330,25 @@ class PrefixCacheScorer(PublishesPrefixMatch):
         keys = self.keys(request)
         if not keys:
             return
-        self.index.record(result.destination.id, keys)
+        destination = result.destination
         prefill = result.prefill_endpoint
-        if prefill is not None:
-            self.index.record(prefill.id, keys)
+        if prefill is None or prefill is destination or self.params.recordDestinationAt == "pick":
+            self.index.record(destination.id, keys)
+            if prefill is not None and prefill is not destination:
+                self.index.record(prefill.id, keys)
+            return
+        # Disaggregated: the prefill endpoint computes the blocks now; the destination holds
+        # them once their KV has arrived (on_prompt_landed).
+        self.index.record(prefill.id, keys)
+        self._landings.expect(request.request_id, destination, keys)
+
+    def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
+        landing = self._landings.take(request.request_id)
+        if landing is None:
+            return
+        destination, keys = landing
+        if self._store.get(destination.id) is destination:  # not left (and its id reused)
+            self.index.record(destination.id, keys)
 
     def pick_keys(self, request: LLMRequest) -> Sequence[int] | None:
         return self.keys(request) or None

@@ -15,6 +15,7 @@ implements, and may add *capabilities*:
 kinds (exactly one)          capabilities (any)
   Filter          filter()     Prepare           prepare()            async work before the pick
   Scorer          score()      PostPick          on_pick()            after a successful pick
+                               PromptLanded      on_prompt_landed()   a P/D prompt's KV arrived
   Picker          pick()       ResponseHeaders   response_headers()   headers on the response
   ProfileHandler  schedule()   RequiresProfiles  required_profiles()  profiles that must exist
                                CollectsMetrics   collect_metrics()    gauges for /metrics
@@ -59,6 +60,7 @@ __all__ = [
     "ProfileResult",
     "ProfileRunner",
     "Prompt",
+    "PromptLanded",
     "ReadsPlugins",
     "RequiresProfiles",
     "ResponseHeaders",
@@ -185,6 +187,19 @@ class Prepare(Protocol):
 class PostPick(Protocol):
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         """Called once after a successful schedule (e.g. to record blocks sent)."""
+        ...
+
+
+@runtime_checkable
+class PromptLanded(Protocol):
+    def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """A disaggregated request's prompt has been computed at its prefill endpoint and its
+        KV has reached the destination: the first response byte came, or the prefill's end was
+        learned otherwise (the endpoint's first-token count, the request's end). Called once
+        per request the P/D handler disaggregated, after its :meth:`PostPick.on_pick`; the
+        request's prompt and scratch state are gone by then. Until this call the destination
+        does not hold the prompt's blocks: a request sent there meanwhile would compute them
+        again."""
         ...
 
 

@@ -35,6 +35,7 @@ from kv_picker.scheduling.framework import (
     Prepare,
     ProfileHandler,
     ProfileResult,
+    PromptLanded,
     ReadsPlugins,
     RequiresProfiles,
     ResponseHeaders,
@@ -197,6 +198,7 @@ class Scheduler:
                 plugin.bind_plugins(plugins)
         self._profile_names = tuple(self.profiles)
         self._post_pick = [p for p in plugins.values() if isinstance(p, PostPick)]
+        self._landed = [p for p in plugins.values() if isinstance(p, PromptLanded)]
         self.preparers: list[Prepare] = [p for p in plugins.values() if isinstance(p, Prepare)]
         self._response_header_plugins = [
             p for p in plugins.values() if isinstance(p, ResponseHeaders)
@@ -249,6 +251,12 @@ class Scheduler:
             plugin = sharing.get(name)
             if plugin is not None:
                 plugin.record_peer_pick(endpoint_ids, keys)
+
+    def prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """A disaggregated request's prompt has reached its destination (see
+        :class:`~kv_picker.scheduling.framework.PromptLanded`)."""
+        for plugin in self._landed:
+            plugin.on_prompt_landed(request, result)
 
     def response_headers(self, request: LLMRequest, endpoint: Endpoint) -> list[tuple[str, str]]:
         """Headers plugins add to the response (e.g. a session token naming ``endpoint``)."""

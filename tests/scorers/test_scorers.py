@@ -3,6 +3,7 @@ from collections import Counter
 import pytest
 
 from kv_picker.decode import decode
+from kv_picker.endpoint import EndpointSpec
 from kv_picker.errors import ConfigError
 from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import (
@@ -15,7 +16,7 @@ from kv_picker.scorers.kv_cache_utilization import (
     KVCacheUtilizationParams,
     KVCacheUtilizationScorer,
 )
-from kv_picker.scorers.prefix_cache import PrefixCacheParams, PrefixCacheScorer
+from kv_picker.scorers.prefix_cache import Landings, PrefixCacheParams, PrefixCacheScorer
 from kv_picker.scorers.queue import QueueParams, QueueScorer, RunningRequestsScorer
 from kv_picker.state.hardware import HARDWARE_CLASS_LABEL
 from tests.fakes import (
@@ -226,6 +227,50 @@ def test_capped_match_is_whole_publishes_a_full_capped_match_as_the_whole_prompt
 def test_capped_match_is_whole_takes_only_a_boolean(value: object) -> None:
     with pytest.raises(ConfigError, match=r"parameters\.cappedMatchIsWhole: expected true/false"):
         decode(PrefixCacheParams, {"cappedMatchIsWhole": value}, "parameters")
+
+
+def _pd_result(decode, prefill) -> SchedulingResult:  # type: ignore[no-untyped-def]
+    return SchedulingResult(
+        "decode",
+        {"decode": ProfileResult([decode], [], []), "prefill": ProfileResult([prefill], [], [])},
+        prefill_profile="prefill",
+    )
+
+
+def test_a_pd_destination_holds_the_prompt_once_its_kv_has_landed() -> None:
+    store = make_store(3)
+    scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
+    prefill, decode, other = store.all()
+    first = make_request("a" * 100, request_id="first")
+    result = _pd_result(decode, prefill)
+    scorer.on_pick(first, result)
+    # The prefill endpoint computes it now; the destination has nothing until the KV lands.
+    assert scores(scorer, store, make_request("a" * 100)) == [1.0, 0.0, 0.0]
+    scorer.on_prompt_landed(first, result)
+    assert scores(scorer, store, make_request("a" * 100)) == [1.0, 1.0, 0.0]
+    scorer.index.remove_endpoint(decode.id)
+    scorer.on_prompt_landed(first, result)  # once only: a second call records nothing
+    assert scorer.index.held(decode.id) == []
+    # A destination that left before its KV landed is not recorded (its id may be reused).
+    second = make_request("b" * 100, request_id="second")
+    scorer.on_pick(second, _pd_result(other, prefill))
+    store.set_endpoints(
+        EndpointSpec(a) for a in ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.9:8000")
+    )
+    newcomer = store.by_address["10.0.0.9:8000"]
+    assert newcomer.id == other.id  # the id is reused
+    scorer.on_prompt_landed(second, _pd_result(other, prefill))
+    assert scores(scorer, store, make_request("b" * 100)) == [1.0, 0.0, 0.0]
+
+
+def test_pd_landings_are_bounded_oldest_first() -> None:
+    landings = Landings(capacity=2)
+    endpoint = make_store(1).all()[0]
+    for name in ("a", "b", "c"):
+        landings.expect(name, endpoint, [1])
+    assert len(landings) == 2
+    assert landings.take("a") is None  # the oldest was forgotten
+    assert landings.take("c") == (endpoint, [1]) and landings.take("c") is None
 
 
 def test_removed_endpoint_leaves_the_prefix_index() -> None:

@@ -43,15 +43,38 @@ def test_long_uncached_prompt_is_disaggregated_then_cached_one_is_not() -> None:
     store = make_store(4, labels=ROLES)
     scheduler = make_scheduler(PD_CONFIG, store)
     prompt = "long shared document " * 100  # ~500 tokens by estimate
-    first = scheduler.schedule(make_request(prompt), store.all())
+    first_request = make_request(prompt)
+    first = scheduler.schedule(first_request, store.all())
     assert first.primary_profile == "decode"
     assert first.primary.targets[0].labels.get(ROLE_LABEL) != "prefill"
     assert first.profile_results["prefill"].targets[0].labels[ROLE_LABEL] == "prefill"
-    # The same prompt again: the decode endpoint holds it, nothing long is left to prefill.
+    # Its KV has not reached the decode endpoint yet: the same prompt again is disaggregated
+    # too, rather than served there as cached and computed again on a decode endpoint.
+    early = scheduler.schedule(make_request(prompt + " asked early"), store.all())
+    assert early.prefill_profile == "prefill"
+    # Once it has landed, the decode endpoint holds it: nothing long is left to prefill.
+    scheduler.prompt_landed(first_request, first)
     second_request = make_request(prompt + " and one more question")
     second = scheduler.schedule(second_request, store.all())
     assert "prefill" not in second.profile_results
+    assert second.destination is first.destination
     assert second_request.state[PREFIX_MATCH].matched_blocks
+
+
+def test_with_record_destination_at_pick_a_pd_destination_holds_the_prompt_at_once() -> None:
+    plugins = [dict(p) for p in PD_CONFIG["plugins"]]  # type: ignore[union-attr]
+    plugins[2] = {
+        "type": "prefix-cache-scorer",
+        "parameters": {"blockSizeChars": 64, "recordDestinationAt": "pick"},
+    }
+    store = make_store(4, labels=ROLES)
+    scheduler = make_scheduler({**PD_CONFIG, "plugins": plugins}, store)
+    prompt = "long shared document " * 100
+    first = scheduler.schedule(make_request(prompt), store.all())
+    assert first.prefill_profile == "prefill"
+    second = scheduler.schedule(make_request(prompt + " asked early"), store.all())
+    assert "prefill" not in second.profile_results
+    assert second.destination is first.destination
 
 
 def test_short_prompt_is_not_disaggregated() -> None:
@@ -114,12 +137,16 @@ def test_a_disaggregated_request_is_in_flight_at_its_prefill_endpoint_until_the_
     assert (store.in_flight[prefill], store.in_flight[decode]) == (1, 1)
     # The prompt's tokens count where decode steps will read them.
     assert (store.in_flight_tokens[prefill], store.in_flight_tokens[decode]) == (0.0, 2700 / 4)
+    (scorer,) = [p for p in director.scheduler.plugins.values() if hasattr(p, "index")]
+    assert scorer.index.held(decode) == []  # its KV is not there yet
     if first_byte:  # the prefill leg is over; the decode endpoint still holds the request
         run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{")))
         assert (store.in_flight[prefill], store.in_flight[decode]) == (0, 1)
+        assert scorer.index.held(decode) == scorer.index.held(prefill) != []  # landed
     stream.close()  # the response ended, or the client went away before any byte
     assert sum(store.in_flight) == 0 and sum(store.in_flight_tokens) == 0.0
     assert sum(store.prefill_requests) == 0
+    assert scorer.index.held(decode) == scorer.index.held(prefill)  # the end lands it too
 
 
 ADMISSION = {
