@@ -12,7 +12,7 @@ EndpointPickerConfig document:
 | `random` | `random-picker` | uniform |
 | `round-robin` | `round-robin-picker` | strict rotation over the ready endpoints |
 | `least-queue` | `queue-scorer` + `max-score-picker` | fewest scraped waiting requests, ties random |
-| `gie-default` | approximate `prefix-cache-scorer` 3, `queue-scorer` 2, `kv-cache-utilization-scorer` 2 | the Gateway API Inference Extension's default profile |
+| `gie-default` | approximate `prefix-cache-scorer` 3 (a P/D destination recorded at the pick, as upstream), `queue-scorer` 2, `kv-cache-utilization-scorer` 2 | the Gateway API Inference Extension's default profile |
 | `sglang-cache-aware` | `sglang-cache-aware-picker` | sgl-router's `cache_aware` policy (reference/vllm-kv.md §6.2, peers.md §2.1) |
 | `dynamo-cost` | `dynamo-cost-picker` | Dynamo's KV router cost function (reference/vllm-kv.md §6.1) |
 | `kv-picker` | the built-in default (no plugins given) | kv-picker's own profile |
@@ -417,6 +417,10 @@ def _single(
     return {"plugins": plugins, "schedulingProfiles": [{"name": "default", "plugins": refs}]}
 
 
+# Upstream's approximate prefix index records a P/D destination at the pick, before the
+# prompt's KV has reached it; the baselines that stand for upstream's profiles keep that.
+_AT_PICK = {"prefix-cache-scorer": {"recordDestinationAt": "pick"}}
+
 BASELINES: dict[str, dict[str, Any]] = {
     "random": _single(("random-picker", None)),
     "round-robin": _single(("round-robin-picker", None)),
@@ -426,6 +430,7 @@ BASELINES: dict[str, dict[str, Any]] = {
         ("queue-scorer", 2),
         ("kv-cache-utilization-scorer", 2),
         ("max-score-picker", None),
+        params=_AT_PICK,
     ),
     "sglang-cache-aware": _single(("sglang-cache-aware-picker", None)),
     "dynamo-cost": _single(("dynamo-cost-picker", None)),
@@ -443,6 +448,7 @@ NAMED_POLICIES: dict[str, dict[str, Any]] = {
         ("kv-cache-utilization-scorer", 2),
         ("no-hit-lru-scorer", 2),
         ("max-score-picker", None),
+        params=_AT_PICK,
     ),
     # llm-d's later optimized baseline, in llm-d's own shape (translated on load: the
     # producer becomes the prefix scorer the filter reads, in no profile). Its
@@ -450,6 +456,8 @@ NAMED_POLICIES: dict[str, dict[str, Any]] = {
     # note that says so would repeat for every cell.
     "llm-d-affinity": {
         "plugins": [
+            # Upstream's producer takes no recordDestinationAt: under P/D this one records a
+            # destination once the prompt's KV has landed, as the picker's own scorer does.
             {"type": "approx-prefix-cache-producer"},
             {
                 "type": "prefix-cache-affinity-filter",

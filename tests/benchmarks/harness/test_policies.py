@@ -244,6 +244,22 @@ def test_policy_resolution(tmp_path: Path) -> None:
         resolve_policy(str(bad)).config(registry)
 
 
+def test_the_upstream_baselines_record_a_pd_destination_at_the_pick() -> None:
+    # Upstream's approximate index records a P/D destination at the pick; the picker's own
+    # default waits for the prompt's KV to land there.
+    registry = harness_registry()
+    for name, expected in (
+        ("gie-default", "pick"),
+        ("llm-d-default", "pick"),
+        ("kv-picker", "landed"),
+    ):
+        config = pd_variant(resolve_policy(name), 256).config(registry)
+        seen = {
+            p.params.recordDestinationAt for p in config.plugins if p.type == "prefix-cache-scorer"
+        }
+        assert seen == {expected}, name
+
+
 def test_pd_variant_gives_each_side_its_own_plugins() -> None:
     registry = harness_registry()
     affinity = pd_variant(resolve_policy("llm-d-affinity"), 256).config(registry)
