@@ -557,6 +557,20 @@ def _cells(path: Path) -> dict[tuple[str, float], dict[str, dict]]:
     }
 
 
+def _edited_copy(stored: Path, edited: Path, parts: tuple[str, ...]) -> Path:
+    """A copy of a stored matrix with two policies' figures edited in the given parts: the
+    default's TTFT mean set to 99 s and the GIE default's p90 to 77 s in every cell."""
+    shutil.copytree(stored, edited)
+    for part in parts:
+        path = edited / part / "matrix.json"
+        document = json.loads(path.read_text())
+        for cell in document["cells"]:
+            cell["policies"]["kv-picker"]["ttft_s"]["mean"] = 99.0
+            cell["policies"]["gie-default"]["ttft_s"]["p90"] = 77.0
+        path.write_text(json.dumps(document))
+    return edited
+
+
 def test_refresh_runs_the_default_again_and_keeps_every_other_stored_run(
     tmp_path: Path,
 ) -> None:
@@ -577,15 +591,7 @@ def test_refresh_runs_the_default_again_and_keeps_every_other_stored_run(
     assert json.loads((again / "draws.json").read_text())["families"] == summary
     # The stored default's figures edited, and a baseline's: the refresh runs the default
     # again (its true figures come back) and keeps the baseline's stored run as it is.
-    edited = tmp_path / "edited"
-    shutil.copytree(stored, edited)
-    for part in ("draw-1", "seed-0/draw-1", "seed-1/draw-1"):
-        path = edited / part / "matrix.json"
-        document = json.loads(path.read_text())
-        for cell in document["cells"]:
-            cell["policies"]["kv-picker"]["ttft_s"]["mean"] = 99.0
-            cell["policies"]["gie-default"]["ttft_s"]["p90"] = 77.0
-        path.write_text(json.dumps(document))
+    edited = _edited_copy(stored, tmp_path / "edited", ("draw-1", "seed-0/draw-1", "seed-1/draw-1"))
     out = tmp_path / "out"
     code = matrix.main([*SMALL, "--family-seed", "1,3", "--refresh", str(edited),
                         "--out", str(out)])  # fmt: skip
@@ -613,14 +619,7 @@ def test_refresh_runs_the_named_stored_policies_on_the_cells_asked_and_keeps_the
     code = matrix.main([*two_loads, "--policy", "kv-picker", "--policy", "gie-default",
                         "--family-seed", "1", "--out", str(both)])  # fmt: skip
     assert code == 0
-    edited = tmp_path / "edited"
-    shutil.copytree(both, edited)
-    path = edited / "matrix.json"
-    document = json.loads(path.read_text())
-    for cell in document["cells"]:
-        cell["policies"]["kv-picker"]["ttft_s"]["mean"] = 99.0
-        cell["policies"]["gie-default"]["ttft_s"]["p90"] = 77.0
-    path.write_text(json.dumps(document))
+    edited = _edited_copy(both, tmp_path / "edited", ("",))
     out = tmp_path / "out"
     code = matrix.main([*SMALL, "--family-seed", "1", "--refresh", str(edited),
                         "--policy", "gie-default", "--out", str(out)])  # fmt: skip
