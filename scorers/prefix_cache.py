@@ -17,9 +17,10 @@ reached it (the first response byte, or the prefill's end learned otherwise): un
 destination does not hold the blocks, and a request sent there meanwhile, served there without
 a prefill endpoint because the index said the prompt was cached, would compute the whole prompt
 again on a decode endpoint. On the routing matrix's P/D cells of long documents (Llama 3.1 70B,
-0.3 load, draws 1-3), recording the destination at the pick gave TTFT means of 0.81, 1.10 and
-0.54 s, against 0.46, 0.47 and 0.21 s with it recorded at the KV's arrival
-(``benchmarks/RESULTS.md`` section 1). ``recordDestinationAt: pick`` records the destination
+0.3 load, draws 1-3, policy seed 0), recording the destination at the pick gave TTFT means of
+0.81, 1.10 and 0.54 s, against 0.35, 0.38 and 0.17 s with it recorded at the KV's arrival; on
+draws 70-72, which no choice had seen, the default passed every P/D cell with it and 20 of 24
+without (``benchmarks/RESULTS.md`` section 1). ``recordDestinationAt: pick`` records the destination
 at the pick as well, as this scorer did before and llm-d's approximate scorer does. Other
 workers of ``serve --workers`` record a peer's P/D destination at its pick either way.
 The index outlives config reloads that keep its shape.
