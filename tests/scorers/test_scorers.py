@@ -430,10 +430,11 @@ def test_full_yield_free_yields_only_to_a_candidate_with_room(free: int, yields:
         ({"fullYieldFree": 8}, "fullYieldFree needs fullYield"),
         ({"fullYield": 64, "fullYieldFree": 0}, "fullYieldFree"),
         ({"pendingYieldDecode": 2}, "pendingYieldDecode needs pendingYieldTokens"),
+        ({"recordDestinationAt": "soon"}, "recordDestinationAt"),
     ],
 )
 def test_prefix_cache_rejects_bad_yield_parameters(
-    parameters: dict[str, int], message: str
+    parameters: dict[str, object], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         make_scheduler(one_scorer_document("prefix-cache-scorer", parameters), make_store(2))
