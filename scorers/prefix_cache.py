@@ -333,15 +333,14 @@ class PrefixCacheScorer(PublishesPrefixMatch):
             return
         destination = result.destination
         prefill = result.prefill_endpoint
-        if prefill is None or prefill is destination or self.params.recordDestinationAt == "pick":
-            self.index.record(destination.id, keys)
-            if prefill is not None and prefill is not destination:
-                self.index.record(prefill.id, keys)
-            return
-        # Disaggregated: the prefill endpoint computes the blocks now; the destination holds
-        # them once their KV has arrived (on_prompt_landed).
-        self.index.record(prefill.id, keys)
-        self._landings.expect(request.request_id, destination, keys)
+        if prefill is not None and prefill is not destination:
+            # Disaggregated: the prefill endpoint computes the blocks now; the destination
+            # holds them once their KV has arrived (on_prompt_landed).
+            self.index.record(prefill.id, keys)
+            if self.params.recordDestinationAt == "landed":
+                self._landings.expect(request.request_id, destination, keys)
+                return
+        self.index.record(destination.id, keys)
 
     def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
         landing = self._landings.take(request.request_id)
