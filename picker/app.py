@@ -241,7 +241,7 @@ class PickerApp:
             director = self.director
             self.peers = PeerSync(
                 self.store,
-                lambda records, ids: director.scheduler.record_peer_picks(records, ids),
+                lambda records, pick: director.scheduler.record_peer_picks(records, pick),
                 worker.directory,
                 worker.index,
                 worker.count,
@@ -250,6 +250,7 @@ class PickerApp:
             director.peers = self.peers
             self.scraper.share = self.peers.scraped
             self.peers.on_scrape = self._peer_scraped
+            self.peers.on_landed = lambda landing: director.scheduler.peer_prompt_landed(landing)
             store = self.store
             self.peers.export_state = lambda: director.scheduler.export_states(
                 {e.id: e.address for e in store.all()}

@@ -147,6 +147,8 @@ class RoutedRequest:
             if prefill[3] and self.request is not None and self.result is not None:
                 # Disaggregated: the prompt's KV is at the destination from now.
                 self._director.scheduler.prompt_landed(self.request, self.result)
+                if self._director.peers is not None:
+                    self._director.peers.landed(self.request.request_id)
 
     def finish(self, output_tokens: int | None = None) -> None:
         """The response ended, or the stream closed: release the in-flight slot (once).
@@ -399,6 +401,7 @@ class Director:
                 tokens,
                 pairs,
                 self.scheduler.shared_picks(request),
+                request.request_id,
             )
         for profile, profile_result in result.profile_results.items():
             if profile_result.targets:

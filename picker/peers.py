@@ -10,7 +10,8 @@ worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker
 
 frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, ...]]
   pick      [0, destination, prefill | None, prompt tokens, prefill tokens, prefill pairs,
-             [[plugin name, keys], ...]]         (in flight at a separate prefill endpoint too)
+             [[plugin name, keys], ...], request id | None]
+                (in flight at a separate prefill endpoint too; the request id with one)
   take      [1, destination]                                   (a request without a body)
   release   [2, destination, prompt tokens]                    (the request finished)
   prefilled [3, prefill target, tokens, pairs, separate]       (its first byte came back;
@@ -21,6 +22,7 @@ frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, .
              first tokens | None]
   failed    [6, address, reason]                                  (a scrape of the endpoint)
   ask state [7]                          (a worker started again, once it knows its endpoints)
+  landed    [8, request id]      (a disaggregated request's prompt reached its destination)
 
 state (two frames): [i, incarnation, "state", asker, asker's incarnation], {plugin: {address:
   [key, ...] oldest first}}        (sent by the live worker of lowest index to the one that asked)
@@ -62,13 +64,14 @@ import msgpack
 import zmq
 
 from kv_picker.endpoint import Endpoint
+from kv_picker.scheduling.framework import PeerPick
 from kv_picker.sources.scrape_process import decode_signals, encode_signals
 from kv_picker.sources.scraper import EndpointSignals
 from kv_picker.state.endpoints import EndpointStore
 
 log = logging.getLogger(__name__)
 
-PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT, SCRAPED, SCRAPE_FAILED, STATE_REQUEST = range(8)
+PICK, TAKE, RELEASE, PREFILLED, SNAPSHOT, SCRAPED, SCRAPE_FAILED, STATE_REQUEST, LANDED = range(9)
 STATE = "state"  # the header of a two-frame message: another worker's learned state
 # Per address: in flight, in-flight (prompt) tokens, prefill tokens, prefill requests, pairs.
 _FIELDS = 5
@@ -93,8 +96,9 @@ class PeerSync:
 
     Args:
         store: this worker's endpoint store.
-        records: where another worker's pick records go (the current scheduler's
-            ``record_peer_picks``, looked up at each message so a reload is followed).
+        records: where another worker's pick records go, with the pick in this worker's
+            endpoint ids (the current scheduler's ``record_peer_picks``, looked up at each
+            message so a reload is followed).
         directory: the supervisor's private run directory (the sockets live there).
         index: this worker's index, ``0 <= index < count``.
         count: the number of workers.
@@ -106,7 +110,7 @@ class PeerSync:
     def __init__(
         self,
         store: EndpointStore,
-        records: Callable[[Sequence[tuple[str, Sequence[int]]], Sequence[int]], None],
+        records: Callable[[Sequence[tuple[str, Sequence[int]]], PeerPick], None],
         directory: str | Path,
         index: int,
         count: int,
@@ -140,6 +144,9 @@ class PeerSync:
         self._outbox: list[list[Any]] = []
         # Where another worker's scrape results go: (address, signals or None, failure reason).
         self.on_scrape: Callable[[str, EndpointSignals | None, str], None] | None = None
+        # Where another worker's landed disaggregated requests go (the PeerPick.landing of
+        # their picks): the current scheduler's ``peer_prompt_landed``.
+        self.on_landed: Callable[[str], None] | None = None
         # The plugins' learned state, for a worker started again (see the module docstring):
         # export() -> {plugin: {address: keys}}; load(that) -> keys learned.
         self.export_state: Callable[[], dict[str, dict[str, list[int]]]] | None = None
@@ -204,15 +211,18 @@ class PeerSync:
         prefill_tokens: float,
         pairs: float,
         records: Sequence[tuple[str, Sequence[int]]],
+        request_id: str | None = None,
     ) -> None:
         """A request was routed: in flight at ``destination`` (and at ``prefill``), prefill
-        queued at ``prefill`` (or the destination), and the plugins' pick records."""
+        queued at ``prefill`` (or the destination), and the plugins' pick records. With a
+        separate ``prefill`` endpoint, ``request_id`` names the :meth:`landed` to come."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
         target = prefill or destination
         _add(self.local, target.address,
              *_prefill_delta(prefill_tokens, pairs, prefill is not None))  # fmt: skip
         self._send([PICK, destination.address, prefill.address if prefill is not None else None,
-                    prompt_tokens, prefill_tokens, pairs, records])  # fmt: skip
+                    prompt_tokens, prefill_tokens, pairs, records,
+                    request_id if prefill is not None else None])  # fmt: skip
 
     def took(self, destination: Endpoint) -> None:
         """A request without a body was routed to ``destination``."""
@@ -229,6 +239,11 @@ class PeerSync:
         the request was in flight too)."""
         _add(self.local, target.address, *_prefilled_delta(tokens, pairs, separate))
         self._send([PREFILLED, target.address, tokens, pairs, separate])
+
+    def landed(self, request_id: str) -> None:
+        """A disaggregated request's prompt (its :meth:`picked` named ``request_id``) reached
+        its destination: the other workers' plugins record that the destination holds it."""
+        self._send([LANDED, request_id])
 
     def scraped(self, endpoint: Endpoint, signals: EndpointSignals | None, reason: str) -> None:
         """This worker scraped ``endpoint`` (``signals`` None: the scrape failed)."""
@@ -354,11 +369,12 @@ class PeerSync:
 
     def _apply_message(self, peer: _Peer, message: list[Any]) -> None:
         kind = message[0]
-        if kind == PICK and len(message) == 7:
+        if kind == PICK and len(message) == 8:
             destination = _address(message[1])
             prefill = _address(message[2]) if message[2] is not None else None
             prompt_tokens, prefill_tokens, pairs = _numbers(message[3:6])
             records = [(_name(name), _ints(keys)) for name, keys in message[6]]
+            landing = _landing(peer, message[7]) if message[7] is not None else None
             self._apply(peer, destination, (1, prompt_tokens, 0, 0, 0))
             delta = _prefill_delta(prefill_tokens, pairs, prefill is not None)
             self._apply(peer, prefill or destination, delta)
@@ -367,9 +383,16 @@ class PeerSync:
             if target is not None:
                 # Decayed, not a total: a restarted worker's share fades rather than reconciles.
                 self.store.add_recent_prefill(target.id, prefill_tokens, pairs)
-            ids = [by_address[a].id for a in (destination, prefill) if a in by_address]
-            if ids and records:
-                self.records(records, ids)
+            held = by_address.get(destination)
+            computing = by_address.get(prefill) if prefill is not None else None
+            pick = PeerPick(held.id if held is not None else None,
+                            computing.id if computing is not None else None, landing)  # fmt: skip
+            if pick.ids and records:
+                self.records(records, pick)
+        elif kind == LANDED and len(message) == 2:
+            landing = _landing(peer, message[1])
+            if self.on_landed is not None:
+                self.on_landed(landing)
         elif kind == TAKE and len(message) == 2:
             self._apply(peer, _address(message[1]), (1, 0, 0, 0, 0))
         elif kind == RELEASE and len(message) == 3:
@@ -444,6 +467,13 @@ def _address(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"an address must be a string, not {type(value).__name__}")
     return value
+
+
+def _landing(peer: _Peer, request_id: object) -> str:
+    """A peer's request, named apart from this worker's requests and another peer's."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"a request id must be a string, not {type(request_id).__name__}")
+    return f"{peer.worker}/{peer.incarnation}/{request_id}"
 
 
 def _name(value: object) -> str:

@@ -43,7 +43,7 @@ from typing import ClassVar
 
 from kv_picker.endpoint import Endpoint, EndpointId
 from kv_picker.scheduling.context import BuildContext, Lifetime
-from kv_picker.scheduling.framework import LLMRequest, SchedulingResult
+from kv_picker.scheduling.framework import LLMRequest, PeerPick, SchedulingResult
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 
 DEFAULT_LRU_SIZE = 1024
@@ -158,7 +158,7 @@ class NoHitLruScorer:
         """A cold pick reaches the other workers as one key; the endpoints travel with it."""
         return (1,) if request.state.get(self._state_key) else None
 
-    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
+    def record_peer_pick(self, pick: PeerPick, keys: Sequence[int]) -> None:
         if keys:
-            for endpoint_id in endpoint_ids:
-                self.order.touch(EndpointId(endpoint_id))
+            for endpoint_id in pick.ids:
+                self.order.touch(endpoint_id)

@@ -56,6 +56,7 @@ from kv_picker.scheduling.context import BuildContext, Lifetime
 from kv_picker.scheduling.framework import (
     Endpoint,
     LLMRequest,
+    PeerPick,
     PluginGauge,
     SchedulingResult,
 )
@@ -258,10 +259,10 @@ class PrecisePrefixCacheScorer(PublishesPrefixMatch):
             return None
         return request.state.get(_KEYS_STATE) or None
 
-    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
+    def record_peer_pick(self, pick: PeerPick, keys: Sequence[int]) -> None:
         speculative = self.speculative
         if speculative is not None:
-            for endpoint_id in endpoint_ids:
+            for endpoint_id in pick.ids:
                 speculative.record(endpoint_id, keys)
 
     def collect_metrics(self) -> Iterable[PluginGauge]:

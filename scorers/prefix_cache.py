@@ -116,6 +116,7 @@ from kv_picker.scheduling.context import BuildContext, Lifetime
 from kv_picker.scheduling.framework import (
     Endpoint,
     LLMRequest,
+    PeerPick,
     PluginGauge,
     SchedulingResult,
 )
@@ -343,19 +344,36 @@ class PrefixCacheScorer(PublishesPrefixMatch):
         self.index.record(destination.id, keys)
 
     def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
-        landing = self._landings.take(request.request_id)
-        if landing is None:
+        self._land(request.request_id)
+
+    def _land(self, landing: str) -> None:
+        pending = self._landings.take(landing)
+        if pending is None:
             return
-        destination, keys = landing
+        destination, keys = pending
         if self._store.get(destination.id) is destination:  # not left (and its id reused)
             self.index.record(destination.id, keys)
 
     def pick_keys(self, request: LLMRequest) -> Sequence[int] | None:
         return self.keys(request) or None
 
-    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
-        for endpoint_id in endpoint_ids:
-            self.index.record(endpoint_id, keys)
+    def record_peer_pick(self, pick: PeerPick, keys: Sequence[int]) -> None:
+        index = self.index
+        destination, prefill = pick.destination, pick.prefill
+        if prefill is not None and prefill != destination:
+            index.record(prefill, keys)
+            if self.params.recordDestinationAt == "landed" and pick.landing is not None:
+                # As on_pick: the destination holds the blocks once the other worker says
+                # the prompt landed there (record_peer_landing).
+                endpoint = self._store.get(destination) if destination is not None else None
+                if endpoint is not None:
+                    self._landings.expect(pick.landing, endpoint, keys)
+                return
+        if destination is not None:
+            index.record(destination, keys)
+
+    def record_peer_landing(self, landing: str) -> None:
+        self._land(landing)
 
     def export_state(self, addresses: Mapping[int, str]) -> dict[str, list[int]]:
         return {

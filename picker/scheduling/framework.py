@@ -216,8 +216,39 @@ class SharesPicks(Protocol):
         """The keys :meth:`PostPick.on_pick` recorded for ``request`` (None: nothing)."""
         ...
 
-    def record_peer_pick(self, endpoint_ids: Sequence[int], keys: Sequence[int]) -> None:
-        """Record what another worker's pick sent to these endpoints, as ``on_pick`` would."""
+    def record_peer_pick(self, pick: PeerPick, keys: Sequence[int]) -> None:
+        """Record what another worker's pick sent to its endpoints, as ``on_pick`` would
+        (what a disaggregated request's destination will hold waits for
+        :meth:`SharesLandings.record_peer_landing`, where ``on_pick`` waits for
+        ``on_prompt_landed``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPick:
+    """Another worker's pick, in this worker's endpoint ids (None: an endpoint this worker
+    does not know, e.g. one it has not discovered yet)."""
+
+    destination: EndpointId | None
+    prefill: EndpointId | None = None
+    """A separate prefill endpoint (disaggregated), None when the destination computes it."""
+    landing: str | None = None
+    """Names the later :meth:`SharesLandings.record_peer_landing` of a disaggregated pick."""
+
+    @property
+    def ids(self) -> list[EndpointId]:
+        """The endpoints this worker knows that the pick sent the request to."""
+        return [i for i in (self.destination, self.prefill) if i is not None]
+
+
+@runtime_checkable
+class SharesLandings(Protocol):
+    """A ``SharesPicks`` plugin that records a disaggregated request's destination once its
+    prompt's KV has landed there (``PromptLanded``), for another worker's picks too."""
+
+    def record_peer_landing(self, landing: str) -> None:
+        """Another worker's disaggregated request (its :attr:`PeerPick.landing`) has landed
+        at its destination."""
         ...
 
 

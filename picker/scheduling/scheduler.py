@@ -30,6 +30,7 @@ from kv_picker.scheduling.framework import (
     CollectsMetrics,
     Endpoint,
     LLMRequest,
+    PeerPick,
     PluginGauge,
     PostPick,
     Prepare,
@@ -40,6 +41,7 @@ from kv_picker.scheduling.framework import (
     RequiresProfiles,
     ResponseHeaders,
     SchedulingResult,
+    SharesLandings,
     SharesPicks,
     SharesState,
 )
@@ -210,6 +212,7 @@ class Scheduler:
             (name, p) for name, p in plugins.items() if isinstance(p, SharesPicks)
         ]
         self._sharing_by_name = dict(self._sharing)
+        self._peer_landed = [p for _, p in self._sharing if isinstance(p, SharesLandings)]
         self._stateful = {n: p for n, p in plugins.items() if isinstance(p, SharesState)}
         self.plugins = plugins
         self.shared_keys = ctx.used_shared
@@ -240,9 +243,9 @@ class Scheduler:
         return learned
 
     def record_peer_picks(
-        self, records: Sequence[tuple[str, Sequence[int]]], endpoint_ids: Sequence[int]
+        self, records: Sequence[tuple[str, Sequence[int]]], pick: PeerPick
     ) -> None:
-        """Record another worker's pick: each named plugin's keys, sent to these endpoints.
+        """Record another worker's pick: each named plugin's keys, sent to its endpoints.
 
         A name this build does not know, or a plugin that shares nothing, is skipped (workers
         may be a config reload apart)."""
@@ -250,7 +253,13 @@ class Scheduler:
         for name, keys in records:
             plugin = sharing.get(name)
             if plugin is not None:
-                plugin.record_peer_pick(endpoint_ids, keys)
+                plugin.record_peer_pick(pick, keys)
+
+    def peer_prompt_landed(self, landing: str) -> None:
+        """Another worker's disaggregated request has landed at its destination (the
+        :attr:`~kv_picker.scheduling.framework.PeerPick.landing` of its pick)."""
+        for plugin in self._peer_landed:
+            plugin.record_peer_landing(landing)
 
     def prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
         """A disaggregated request's prompt has reached its destination (see

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 from kv_picker.endpoint import EndpointSpec
-from kv_picker.peers import PICK, PREFILLED, SCRAPED, SNAPSHOT, STATE, PeerSync
+from kv_picker.peers import LANDED, PICK, PREFILLED, SCRAPED, SNAPSHOT, STATE, PeerSync
+from kv_picker.scheduling.framework import PeerPick
 from kv_picker.sources.scraper import EndpointSignals
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore, LoraState
@@ -24,16 +25,18 @@ class Worker:
                  timeout_s: float = 3.0) -> None:  # fmt: skip
         self.store = EndpointStore(time.monotonic)
         self.store.set_endpoints(EndpointSpec(address) for address in addresses)
-        self.records: list[tuple[list[tuple[str, Sequence[int]]], list[int]]] = []
+        self.records: list[tuple[list[tuple[str, Sequence[int]]], PeerPick]] = []
+        self.landed: list[str] = []
         self.sync = PeerSync(
             self.store,
-            lambda records, ids: self.records.append((list(records), list(ids))),
+            lambda records, pick: self.records.append((list(records), pick)),
             directory,
             index,
             count,
             heartbeat_s=0.05,
             timeout_s=timeout_s,
         )
+        self.sync.on_landed = self.landed.append
 
     def endpoint(self, address: str):  # type: ignore[no-untyped-def]
         return self.store.by_address[address]
@@ -76,18 +79,23 @@ async def test_a_pick_reaches_the_other_worker_by_address(tmp_path: Path) -> Non
     tasks = await connected(a, b)
     try:
         decode, prefill = a.endpoint(ADDRESSES[0]), a.endpoint(ADDRESSES[1])
-        a.sync.picked(decode, prefill, 900.0, 600.0, 1e5, [("prefix-cache-scorer", [1, 2, 3])])
+        a.sync.picked(decode, prefill, 900.0, 600.0, 1e5, [("prefix-cache-scorer", [1, 2, 3])],
+                      "req-1")  # fmt: skip
         await eventually(lambda: b.counts(ADDRESSES[0])[0] == 1)
         assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
         # The prefill endpoint runs the request too, until its prefill leg ends (its prompt
         # tokens count in flight where they are decoded).
         assert b.counts(ADDRESSES[1]) == (1, 0.0, 600.0, 1, 1e5)
         ids = [b.endpoint(ADDRESSES[0]).id, b.endpoint(ADDRESSES[1]).id]
-        assert b.records == [([("prefix-cache-scorer", [1, 2, 3])], ids)]
+        # The landing names a's request apart from b's own and from another worker's.
+        landing = f"0/{a.sync.incarnation}/req-1"
+        assert b.records == [([("prefix-cache-scorer", [1, 2, 3])], PeerPick(*ids, landing))]
         assert ids != [decode.id, prefill.id]  # the test would pass by chance otherwise
 
         a.sync.prefilled(prefill, 600.0, 1e5, True)
+        a.sync.landed("req-1")
         await eventually(lambda: b.counts(ADDRESSES[1]) == (0, 0.0, 0.0, 0, 0.0))
+        await eventually(lambda: b.landed == [landing])
         assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
         a.sync.released(decode, 900.0)
         await eventually(lambda: b.counts(ADDRESSES[0]) == (0, 0.0, 0.0, 0, 0.0))
@@ -125,7 +133,7 @@ def frame(worker: int, incarnation: int, *messages: list[object]) -> bytes:
 
 
 def pick(address: str, tokens: float = 10.0, pairs: float = 5.0) -> list[object]:
-    return [PICK, address, None, tokens, tokens, pairs, []]
+    return [PICK, address, None, tokens, tokens, pairs, [], None]
 
 
 async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> None:
@@ -139,7 +147,7 @@ async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> Non
 
 async def test_a_peers_pick_adds_recent_work_where_the_prompt_is_computed(tmp_path: Path) -> None:
     b = Worker(tmp_path, 1, 2, ADDRESSES)
-    disaggregated = [PICK, ADDRESSES[0], ADDRESSES[1], 900.0, 600.0, 1e5, []]
+    disaggregated = [PICK, ADDRESSES[0], ADDRESSES[1], 900.0, 600.0, 1e5, [], "r"]
     b.sync.apply(frame(0, 111, disaggregated, pick(ADDRESSES[2], 40.0, 7.0)))
     recent = b.store.recent_prefill
     assert recent(b.endpoint(ADDRESSES[1]).id) == pytest.approx((600.0, 1e5), rel=1e-3)
@@ -174,10 +182,13 @@ async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
         msgpack.packb([0, "1", []]),
         frame(0, 1, [PICK, ADDRESSES[0]]),
         frame(0, 1, [99, ADDRESSES[0]]),
-        frame(0, 1, [PICK, 5, None, 1, 1, 1, []]),  # an address that is not a string
-        frame(0, 1, [PICK, ADDRESSES[0], None, 1, "x", 1, []]),
-        frame(0, 1, [PICK, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]]]),
-        frame(0, 1, [PICK, ADDRESSES[0], None, 1, float("nan"), 1, []]),
+        frame(0, 1, [PICK, 5, None, 1, 1, 1, [], None]),  # an address that is not a string
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, "x", 1, [], None]),
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]], None]),
+        frame(0, 1, [PICK, ADDRESSES[0], None, 1, float("nan"), 1, [], None]),
+        frame(0, 1, [PICK, ADDRESSES[0], ADDRESSES[1], 1, 1, 1, [], 7]),  # a request id
+        frame(0, 1, [LANDED, 7]),
+        frame(0, 1, [LANDED]),
         frame(0, 1, [SNAPSHOT, {ADDRESSES[0]: [1, 2]}]),
         frame(0, 1, [PREFILLED, ADDRESSES[0], 1, 1]),  # no held field
         frame(0, 1, [PREFILLED, ADDRESSES[0], 1, 1, 1]),  # not a boolean
@@ -189,7 +200,7 @@ def test_a_malformed_message_is_counted_and_changes_nothing(tmp_path: Path, data
     b.sync.apply(data)
     assert b.sync.malformed == 1
     assert all(b.counts(address) == (0, 0.0, 0.0, 0, 0.0) for address in ADDRESSES)
-    assert b.records == []
+    assert b.records == [] and b.landed == []
     b.sync.apply(frame(0, 1, pick(ADDRESSES[1])))
     assert b.counts(ADDRESSES[1])[0] == 1
 

@@ -10,7 +10,7 @@ from kv_picker.config import parse_config_text
 from kv_picker.endpoint import EndpointSpec
 from kv_picker.errors import ConfigError
 from kv_picker.plugins import builtin_registry
-from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
+from kv_picker.scheduling.framework import PeerPick, ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import PREFIX_MATCH, PrefixMatch
 from kv_picker.scorers.no_hit_lru import NoHitLruParams, NoHitLruScorer
 from tests.fakes import make_context, make_request, make_scheduler, make_store
@@ -121,7 +121,7 @@ def test_peer_workers_picks_move_the_order() -> None:
     request = make_request()
     _scores(scorer, store, request)
     assert scorer.pick_keys(request) == (1,)
-    scorer.record_peer_pick([c.id, a.id], [1])
+    scorer.record_peer_pick(PeerPick(c.id, a.id), [1])
     assert scorer.order.ids() == [c.id, a.id]
     hit = make_request()
     hit.state[PREFIX_MATCH] = PrefixMatch(16.0, 10, {b.id: 1})

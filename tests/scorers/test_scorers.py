@@ -5,7 +5,7 @@ import pytest
 from kv_picker.decode import decode
 from kv_picker.endpoint import EndpointSpec
 from kv_picker.errors import ConfigError
-from kv_picker.scheduling.framework import ProfileResult, SchedulingResult
+from kv_picker.scheduling.framework import PeerPick, ProfileResult, SchedulingResult
 from kv_picker.scheduling.signals import (
     PREFIX_MATCH,
     PrefixMatch,
@@ -263,6 +263,33 @@ def test_a_pd_destination_holds_the_prompt_once_its_kv_has_landed() -> None:
     assert scores(scorer, store, make_request("b" * 100)) == [1.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("at", ["landed", "pick"])
+def test_another_workers_pd_pick_records_its_destination_as_its_own_would(at: str) -> None:
+    """serve --workers: a peer's disaggregated pick records the prefill endpoint at once and
+    the destination when the peer says the prompt landed, as this worker's own picks do."""
+    store = make_store(3)
+    params = PrefixCacheParams(blockSizeChars=10, recordDestinationAt=at)  # type: ignore[arg-type]
+    scorer = PrefixCacheScorer("p", params, make_context(store))
+    prefill, decode, other = store.all()
+    keys = scorer.keys(make_request("a" * 100))
+    scorer.record_peer_pick(PeerPick(decode.id, prefill.id, "0/7/r1"), keys)
+    before = [1.0, 0.0 if at == "landed" else 1.0, 0.0]
+    assert scores(scorer, store, make_request("a" * 100)) == before
+    scorer.record_peer_landing("0/7/r2")  # another request's landing changes nothing
+    assert scores(scorer, store, make_request("a" * 100)) == before
+    scorer.record_peer_landing("0/7/r1")
+    assert scores(scorer, store, make_request("a" * 100)) == [1.0, 1.0, 0.0]
+    # A destination this worker does not know: the prefill endpoint is still recorded.
+    more = scorer.keys(make_request("b" * 100))
+    scorer.record_peer_pick(PeerPick(None, other.id, "0/7/r3"), more)
+    scorer.record_peer_landing("0/7/r3")
+    assert scores(scorer, store, make_request("b" * 100)) == [0.0, 0.0, 1.0]
+    # A pick without a landing to wait for (its destination computes the prompt) records it.
+    third = scorer.keys(make_request("c" * 100))
+    scorer.record_peer_pick(PeerPick(other.id), third)
+    assert scores(scorer, store, make_request("c" * 100)) == [0.0, 0.0, 1.0]
+
+
 def test_pd_landings_are_bounded_oldest_first() -> None:
     landings = Landings(capacity=2)
     endpoint = make_store(1).all()[0]
@@ -292,7 +319,7 @@ def test_a_prefix_scorers_state_and_peer_picks_carry_over_by_address() -> None:
     scores(source, store, request)
     keys = source.pick_keys(request)
     assert keys is not None and len(keys) == 10
-    source.record_peer_pick([store.all()[2].id], keys)
+    source.record_peer_pick(PeerPick(store.all()[2].id), keys)
     addresses = {e.id: e.address for e in store.all()}
     state = source.export_state(addresses)
     assert state == {store.all()[2].address: list(keys)}

@@ -1,3 +1,4 @@
+import asyncio
 import json
 
 import pytest
@@ -6,6 +7,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from kv_picker.endpoint import ROLE_LABEL
 from kv_picker.errors import BadRequestError, ConfigError, SaturatedError
 from kv_picker.handlers.extproc import RequestStream
+from kv_picker.peers import PeerSync
 from kv_picker.scheduling.signals import PREFIX_MATCH
 from tests.fakes import ManualClock, make_director, make_request, make_scheduler, make_store
 from tests.picker.handlers.test_extproc_stream import body_message, headers_message, run
@@ -213,3 +215,57 @@ def test_saturation_sheds_only_sheddable() -> None:
 def test_bad_admission_and_hardware_config(document: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         make_director(document)
+
+
+async def test_another_worker_records_a_pd_destination_once_the_prompt_landed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """serve --workers: one worker's disaggregated request teaches the other worker's prefix
+    index the prefill endpoint at the pick and the destination at the first byte, over the
+    workers' real sockets."""
+    directors = [make_director(PD_CONFIG, store=make_store(4, labels=ROLES)) for _ in range(2)]
+    syncs = []
+    for index, director in enumerate(directors):
+        sync = PeerSync(
+            director.store,
+            lambda records, pick, d=director: d.scheduler.record_peer_picks(records, pick),
+            tmp_path,
+            index,
+            2,
+            heartbeat_s=0.05,
+        )
+        sync.on_landed = lambda landing, d=director: d.scheduler.peer_prompt_landed(landing)
+        director.peers = sync
+        syncs.append(sync)
+        sync.start()
+    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+
+    async def until(check) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(500):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not met in time")
+
+    try:
+        await until(lambda: 1 in syncs[0].peers and 0 in syncs[1].peers)
+        body = json.dumps({"model": "m", "prompt": "document " * 300}).encode()
+        stream = RequestStream(directors[0])
+        out = run(stream, headers_message(), body_message(body))
+        mutation = out[0].request_headers.response.header_mutation
+        headers = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+        other = directors[1].store
+        prefill = other.by_address[headers["x-prefiller-host-port"]].id
+        decode = other.by_address[headers["x-gateway-destination-endpoint"]].id
+        (scorer,) = [p for p in directors[1].scheduler.plugins.values() if hasattr(p, "index")]
+        await until(lambda: scorer.index.held(prefill) != [])
+        await asyncio.sleep(0.1)  # what else the pick sent has arrived too
+        assert scorer.index.held(decode) == []  # its KV is not there yet
+        run(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{")))
+        await until(lambda: scorer.index.held(decode) != [])
+        assert scorer.index.held(decode) == scorer.index.held(prefill)
+        stream.close()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sync in syncs:
+            sync.close()
