@@ -148,7 +148,7 @@ class RoutedRequest:
                 # Disaggregated: the prompt's KV is at the destination from now.
                 self._director.scheduler.prompt_landed(self.request, self.result)
                 if self._director.peers is not None:
-                    self._director.peers.landed(self.request.request_id)
+                    self._director.peers.landed(self.request.serial)
 
     def finish(self, output_tokens: int | None = None) -> None:
         """The response ended, or the stream closed: release the in-flight slot (once).
@@ -401,7 +401,7 @@ class Director:
                 tokens,
                 pairs,
                 self.scheduler.shared_picks(request),
-                request.request_id,
+                request.serial,
             )
         for profile, profile_result in result.profile_results.items():
             if profile_result.targets:

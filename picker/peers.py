@@ -10,8 +10,8 @@ worker i ──PUB ipc://<dir>/peer-i.sock──> SUB of every other worker
 
 frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, ...]]
   pick      [0, destination, prefill | None, prompt tokens, prefill tokens, prefill pairs,
-             [[plugin name, keys], ...], request id | None]
-                (in flight at a separate prefill endpoint too; the request id with one)
+             [[plugin name, keys], ...], request serial | None]
+                (in flight at a separate prefill endpoint too; the serial with one)
   take      [1, destination]                                   (a request without a body)
   release   [2, destination, prompt tokens]                    (the request finished)
   prefilled [3, prefill target, tokens, pairs, separate]       (its first byte came back;
@@ -22,7 +22,7 @@ frame (msgpack, one ZMQ frame per event-loop turn): [i, incarnation, [message, .
              first tokens | None]
   failed    [6, address, reason]                                  (a scrape of the endpoint)
   ask state [7]                          (a worker started again, once it knows its endpoints)
-  landed    [8, request id]      (a disaggregated request's prompt reached its destination)
+  landed    [8, request serial]  (a disaggregated request's prompt reached its destination)
 
 state (two frames): [i, incarnation, "state", asker, asker's incarnation], {plugin: {address:
   [key, ...] oldest first}}        (sent by the live worker of lowest index to the one that asked)
@@ -211,18 +211,18 @@ class PeerSync:
         prefill_tokens: float,
         pairs: float,
         records: Sequence[tuple[str, Sequence[int]]],
-        request_id: str | None = None,
+        serial: int | None = None,
     ) -> None:
         """A request was routed: in flight at ``destination`` (and at ``prefill``), prefill
         queued at ``prefill`` (or the destination), and the plugins' pick records. With a
-        separate ``prefill`` endpoint, ``request_id`` names the :meth:`landed` to come."""
+        separate ``prefill`` endpoint, the request's ``serial`` names the :meth:`landed` to come."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
         target = prefill or destination
         _add(self.local, target.address,
              *_prefill_delta(prefill_tokens, pairs, prefill is not None))  # fmt: skip
         self._send([PICK, destination.address, prefill.address if prefill is not None else None,
                     prompt_tokens, prefill_tokens, pairs, records,
-                    request_id if prefill is not None else None])  # fmt: skip
+                    serial if prefill is not None else None])  # fmt: skip
 
     def took(self, destination: Endpoint) -> None:
         """A request without a body was routed to ``destination``."""
@@ -240,10 +240,10 @@ class PeerSync:
         _add(self.local, target.address, *_prefilled_delta(tokens, pairs, separate))
         self._send([PREFILLED, target.address, tokens, pairs, separate])
 
-    def landed(self, request_id: str) -> None:
-        """A disaggregated request's prompt (its :meth:`picked` named ``request_id``) reached
-        its destination: the other workers' plugins record that the destination holds it."""
-        self._send([LANDED, request_id])
+    def landed(self, serial: int) -> None:
+        """A disaggregated request's prompt (its :meth:`picked` named ``serial``) reached its
+        destination: the other workers' plugins record that the destination holds it."""
+        self._send([LANDED, serial])
 
     def scraped(self, endpoint: Endpoint, signals: EndpointSignals | None, reason: str) -> None:
         """This worker scraped ``endpoint`` (``signals`` None: the scrape failed)."""
@@ -469,11 +469,11 @@ def _address(value: object) -> str:
     return value
 
 
-def _landing(peer: _Peer, request_id: object) -> str:
+def _landing(peer: _Peer, serial: object) -> str:
     """A peer's request, named apart from this worker's requests and another peer's."""
-    if not isinstance(request_id, str):
-        raise TypeError(f"a request id must be a string, not {type(request_id).__name__}")
-    return f"{peer.worker}/{peer.incarnation}/{request_id}"
+    if type(serial) is not int:
+        raise TypeError(f"a request serial must be an integer, not {type(serial).__name__}")
+    return f"{peer.worker}/{peer.incarnation}/{serial}"
 
 
 def _name(value: object) -> str:

@@ -26,6 +26,7 @@ response keeps nothing of the request body alive.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -100,6 +101,8 @@ class LLMRequest:
         body_size_bytes: size of the request body.
         state: per-request scratch space for plugins (e.g. the block keys a scorer computed
             and records after the pick); cleared with the prompt.
+        serial: unique among this process's requests (a client may send one ``x-request-id``
+            twice): names the request in what a plugin keeps past the pick.
     """
 
     request_id: str
@@ -114,6 +117,7 @@ class LLMRequest:
     priority: int = 0
     body_size_bytes: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    serial: int = field(default_factory=itertools.count().__next__)
 
     @property
     def kind(self) -> RequestKind:

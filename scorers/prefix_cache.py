@@ -163,24 +163,24 @@ it the oldest is forgotten (its destination is then never recorded as holding it
 
 class Landings:
     """The blocks each disaggregated request's destination will hold once its KV arrives, by
-    request id, oldest first."""
+    request (its serial, or another worker's name for it), oldest first."""
 
     def __init__(self, capacity: int = MAX_LANDINGS) -> None:
         self._capacity = capacity
-        self._pending: dict[str, tuple[Endpoint, Sequence[int]]] = {}
+        self._pending: dict[int | str, tuple[Endpoint, Sequence[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def expect(self, request_id: str, destination: Endpoint, keys: Sequence[int]) -> None:
+    def expect(self, request: int | str, destination: Endpoint, keys: Sequence[int]) -> None:
         pending = self._pending
-        pending.pop(request_id, None)
-        pending[request_id] = (destination, keys)
+        pending.pop(request, None)
+        pending[request] = (destination, keys)
         if len(pending) > self._capacity:
             del pending[next(iter(pending))]
 
-    def take(self, request_id: str) -> tuple[Endpoint, Sequence[int]] | None:
-        return self._pending.pop(request_id, None)
+    def take(self, request: int | str) -> tuple[Endpoint, Sequence[int]] | None:
+        return self._pending.pop(request, None)
 
 
 @dataclass(slots=True)
@@ -339,14 +339,14 @@ class PrefixCacheScorer(PublishesPrefixMatch):
             # holds them once their KV has arrived (on_prompt_landed).
             self.index.record(prefill.id, keys)
             if self.params.recordDestinationAt == "landed":
-                self._landings.expect(request.request_id, destination, keys)
+                self._landings.expect(request.serial, destination, keys)
                 return
         self.index.record(destination.id, keys)
 
     def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
-        self._land(request.request_id)
+        self._land(request.serial)
 
-    def _land(self, landing: str) -> None:
+    def _land(self, landing: int | str) -> None:
         pending = self._landings.take(landing)
         if pending is None:
             return

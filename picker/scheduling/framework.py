@@ -233,7 +233,7 @@ class PeerPick:
     prefill: EndpointId | None = None
     """A separate prefill endpoint (disaggregated), None when the destination computes it."""
     landing: str | None = None
-    """Names the later :meth:`SharesLandings.record_peer_landing` of a disaggregated pick."""
+    """Names (apart from this worker's own requests) the later :meth:`SharesLandings.record_peer_landing` of a disaggregated pick."""
 
     @property
     def ids(self) -> list[EndpointId]:

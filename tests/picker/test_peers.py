@@ -80,7 +80,7 @@ async def test_a_pick_reaches_the_other_worker_by_address(tmp_path: Path) -> Non
     try:
         decode, prefill = a.endpoint(ADDRESSES[0]), a.endpoint(ADDRESSES[1])
         a.sync.picked(decode, prefill, 900.0, 600.0, 1e5, [("prefix-cache-scorer", [1, 2, 3])],
-                      "req-1")  # fmt: skip
+                      41)  # fmt: skip
         await eventually(lambda: b.counts(ADDRESSES[0])[0] == 1)
         assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
         # The prefill endpoint runs the request too, until its prefill leg ends (its prompt
@@ -88,12 +88,12 @@ async def test_a_pick_reaches_the_other_worker_by_address(tmp_path: Path) -> Non
         assert b.counts(ADDRESSES[1]) == (1, 0.0, 600.0, 1, 1e5)
         ids = [b.endpoint(ADDRESSES[0]).id, b.endpoint(ADDRESSES[1]).id]
         # The landing names a's request apart from b's own and from another worker's.
-        landing = f"0/{a.sync.incarnation}/req-1"
+        landing = f"0/{a.sync.incarnation}/41"
         assert b.records == [([("prefix-cache-scorer", [1, 2, 3])], PeerPick(*ids, landing))]
         assert ids != [decode.id, prefill.id]  # the test would pass by chance otherwise
 
         a.sync.prefilled(prefill, 600.0, 1e5, True)
-        a.sync.landed("req-1")
+        a.sync.landed(41)
         await eventually(lambda: b.counts(ADDRESSES[1]) == (0, 0.0, 0.0, 0, 0.0))
         await eventually(lambda: b.landed == [landing])
         assert b.counts(ADDRESSES[0]) == (1, 900.0, 0.0, 0, 0.0)
@@ -147,7 +147,7 @@ async def test_a_restarted_worker_replaces_its_old_counts(tmp_path: Path) -> Non
 
 async def test_a_peers_pick_adds_recent_work_where_the_prompt_is_computed(tmp_path: Path) -> None:
     b = Worker(tmp_path, 1, 2, ADDRESSES)
-    disaggregated = [PICK, ADDRESSES[0], ADDRESSES[1], 900.0, 600.0, 1e5, [], "r"]
+    disaggregated = [PICK, ADDRESSES[0], ADDRESSES[1], 900.0, 600.0, 1e5, [], 3]
     b.sync.apply(frame(0, 111, disaggregated, pick(ADDRESSES[2], 40.0, 7.0)))
     recent = b.store.recent_prefill
     assert recent(b.endpoint(ADDRESSES[1]).id) == pytest.approx((600.0, 1e5), rel=1e-3)
@@ -186,8 +186,8 @@ async def test_a_snapshot_heals_lost_messages(tmp_path: Path) -> None:
         frame(0, 1, [PICK, ADDRESSES[0], None, 1, "x", 1, [], None]),
         frame(0, 1, [PICK, ADDRESSES[0], None, 1, 1, 1, [["p", [1, "k"]]], None]),
         frame(0, 1, [PICK, ADDRESSES[0], None, 1, float("nan"), 1, [], None]),
-        frame(0, 1, [PICK, ADDRESSES[0], ADDRESSES[1], 1, 1, 1, [], 7]),  # a request id
-        frame(0, 1, [LANDED, 7]),
+        frame(0, 1, [PICK, ADDRESSES[0], ADDRESSES[1], 1, 1, 1, [], "7"]),  # a serial
+        frame(0, 1, [LANDED, "7"]),
         frame(0, 1, [LANDED]),
         frame(0, 1, [SNAPSHOT, {ADDRESSES[0]: [1, 2]}]),
         frame(0, 1, [PREFILLED, ADDRESSES[0], 1, 1]),  # no held field

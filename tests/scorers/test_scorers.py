@@ -263,6 +263,22 @@ def test_a_pd_destination_holds_the_prompt_once_its_kv_has_landed() -> None:
     assert scores(scorer, store, make_request("b" * 100)) == [1.0, 0.0, 0.0]
 
 
+def test_pd_requests_sharing_a_request_id_land_each_on_its_own() -> None:
+    """A client may send one x-request-id twice (a retry while the first is in flight): the
+    first landing records its own destination only."""
+    store = make_store(3)
+    scorer = PrefixCacheScorer("p", PrefixCacheParams(blockSizeChars=10), make_context(store))
+    prefill, decode, other = store.all()
+    first, retry = make_request("a" * 100, request_id="r"), make_request("b" * 100, request_id="r")
+    scorer.on_pick(first, _pd_result(decode, prefill))
+    scorer.on_pick(retry, _pd_result(other, prefill))
+    scorer.on_prompt_landed(first, _pd_result(decode, prefill))
+    assert scores(scorer, store, make_request("a" * 100)) == [1.0, 1.0, 0.0]
+    assert scores(scorer, store, make_request("b" * 100)) == [1.0, 0.0, 0.0]  # not landed
+    scorer.on_prompt_landed(retry, _pd_result(other, prefill))
+    assert scores(scorer, store, make_request("b" * 100)) == [1.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize("at", ["landed", "pick"])
 def test_another_workers_pd_pick_records_its_destination_as_its_own_would(at: str) -> None:
     """serve --workers: a peer's disaggregated pick records the prefill endpoint at once and
