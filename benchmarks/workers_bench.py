@@ -45,6 +45,7 @@ from typing import Any
 
 from kv_picker.endpoint import EndpointSpec
 from kv_picker.peers import PeerSync
+from kv_picker.scheduling.framework import PeerPick
 from kv_picker.state.approx_index import ApproximatePrefixIndex
 from kv_picker.state.endpoints import EndpointStore
 from kv_picker_bench.client import Outcome, replay
@@ -217,7 +218,7 @@ def _exchange_store() -> EndpointStore:
 
 async def _exchange_sender(directory: str, rate: float, seconds: float, keys_per_pick: int) -> int:
     store = _exchange_store()
-    sync = PeerSync(store, lambda records, ids: None, directory, 0, 2)
+    sync = PeerSync(store, lambda records, pick: None, directory, 0, 2)
     sync.start()
     await asyncio.sleep(1.0)  # the receiver connects
     rng = random.Random(1)
@@ -252,9 +253,9 @@ def _exchange_receiver(
     async def receive() -> tuple[float, int]:
         index = ApproximatePrefixIndex(31_250)
 
-        def record(records: Sequence[tuple[str, Sequence[int]]], ids: Sequence[int]) -> None:
+        def record(records: Sequence[tuple[str, Sequence[int]]], pick: PeerPick) -> None:
             for _, keys in records:
-                for endpoint_id in ids:
+                for endpoint_id in pick.ids:
                     index.record(endpoint_id, keys)
 
         sync = PeerSync(_exchange_store(), record, directory, 1, 2)
