@@ -215,7 +215,8 @@ class PeerSync:
     ) -> None:
         """A request was routed: in flight at ``destination`` (and at ``prefill``), prefill
         queued at ``prefill`` (or the destination), and the plugins' pick records. With a
-        separate ``prefill`` endpoint, the request's ``serial`` names the :meth:`landed` to come."""
+        separate ``prefill`` endpoint, the request's ``serial`` names the :meth:`landed` to
+        come."""
         _add(self.local, destination.address, 1, prompt_tokens, 0, 0, 0)
         target = prefill or destination
         _add(self.local, target.address,

@@ -233,7 +233,8 @@ class PeerPick:
     prefill: EndpointId | None = None
     """A separate prefill endpoint (disaggregated), None when the destination computes it."""
     landing: str | None = None
-    """Names (apart from this worker's own requests) the later :meth:`SharesLandings.record_peer_landing` of a disaggregated pick."""
+    """Names the later :meth:`SharesLandings.record_peer_landing` of a disaggregated pick
+    (apart from this worker's own requests)."""
 
     @property
     def ids(self) -> list[EndpointId]:
