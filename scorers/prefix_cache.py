@@ -115,6 +115,7 @@ from kv_picker.decode import NonNegative, Positive, Range, aliases
 from kv_picker.scheduling.context import BuildContext, Lifetime
 from kv_picker.scheduling.framework import (
     Endpoint,
+    EndpointId,
     LLMRequest,
     PeerPick,
     PluginGauge,
@@ -330,18 +331,31 @@ class PrefixCacheScorer(PublishesPrefixMatch):
 
     def on_pick(self, request: LLMRequest, result: SchedulingResult) -> None:
         keys = self.keys(request)
-        if not keys:
-            return
-        destination = result.destination
-        prefill = result.prefill_endpoint
-        if prefill is not None and prefill is not destination:
-            # Disaggregated: the prefill endpoint computes the blocks now; the destination
-            # holds them once their KV has arrived (on_prompt_landed).
-            self.index.record(prefill.id, keys)
-            if self.params.recordDestinationAt == "landed":
-                self._landings.expect(request.serial, destination, keys)
+        if keys:
+            prefill = result.prefill_endpoint
+            prefill_id = prefill.id if prefill is not None else None
+            self._record(result.destination, prefill_id, keys, request.serial)
+
+    def _record(
+        self,
+        destination: Endpoint | None,
+        prefill: EndpointId | None,
+        keys: Sequence[int],
+        landing: int | str | None,
+    ) -> None:
+        """Record a pick, this worker's or another's (``destination`` None: one this worker
+        does not know). Disaggregated, the prefill endpoint computes the blocks now and the
+        destination holds them once their KV has arrived (``landing`` names that moment:
+        :meth:`on_prompt_landed`, :meth:`record_peer_landing`; a pick without one is
+        recorded at once)."""
+        if prefill is not None and (destination is None or prefill != destination.id):
+            self.index.record(prefill, keys)
+            if self.params.recordDestinationAt == "landed" and landing is not None:
+                if destination is not None:
+                    self._landings.expect(landing, destination, keys)
                 return
-        self.index.record(destination.id, keys)
+        if destination is not None:
+            self.index.record(destination.id, keys)
 
     def on_prompt_landed(self, request: LLMRequest, result: SchedulingResult) -> None:
         self._land(request.serial)
@@ -358,19 +372,8 @@ class PrefixCacheScorer(PublishesPrefixMatch):
         return self.keys(request) or None
 
     def record_peer_pick(self, pick: PeerPick, keys: Sequence[int]) -> None:
-        index = self.index
-        destination, prefill = pick.destination, pick.prefill
-        if prefill is not None and prefill != destination:
-            index.record(prefill, keys)
-            if self.params.recordDestinationAt == "landed" and pick.landing is not None:
-                # As on_pick: the destination holds the blocks once the other worker says
-                # the prompt landed there (record_peer_landing).
-                endpoint = self._store.get(destination) if destination is not None else None
-                if endpoint is not None:
-                    self._landings.expect(pick.landing, endpoint, keys)
-                return
-        if destination is not None:
-            index.record(destination, keys)
+        destination = self._store.get(pick.destination) if pick.destination is not None else None
+        self._record(destination, pick.prefill, keys, pick.landing)
 
     def record_peer_landing(self, landing: str) -> None:
         self._land(landing)
