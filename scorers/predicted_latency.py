@@ -173,7 +173,9 @@ matrix's tuning families (draws 1-3) it passed fewer cells than the default at b
 tried (117 at 1 and 114 at 0.5, against 123; ``benchmarks/RESULTS.md`` section 1, losing
 mostly on hot shared prefixes): the default does not set it. Measured again over the calibrated
 default of today, at a quarter it lowered TTFT by 0.6-0.8% on draws 1-3 and not on draws 61-63,
-passing fewer cells with a worse worst cell on both, and is still not set.
+passing fewer cells with a worse worst cell on both, and is still not set. Under vLLM v1's
+caching (a request sent to a holder still computing its prefix shares it) at 0.25, 0.5 and 1 it
+moved the tuning families' TTFT mean by +0.05%, -0.36% and +0.85%: noise, not a remedy.
 
 An engine runs at most ``maxNumSeqs`` sequences at once; a request past that waits for running
 ones to finish, about one every ``L / maxNumSeqs`` seconds (``slot_s``). Without that
