@@ -312,8 +312,8 @@ class Judgement:
     ``passed``: cells passed per draw; ``pooled``: cells passed with the draws pooled; the
     geometric means and worst ratios are over the pooled cells (throughput as best ÷ this).
     ``versus_default``: the geometric means over the same cells of this policy's TTFT mean,
-    TTFT p90 and 1 ÷ throughput each divided by the stored default's (below 1: better than
-    it); a verdict counts cells, this says by how much a candidate gains or loses where both
+    TTFT p90, 1 ÷ throughput and end-to-end mean each divided by the stored default's (below
+    1: better than it; the last is not judged); a verdict counts cells, this says by how much a candidate gains or loses where both
     pass or both fail. ``None`` when the stored matrix has no default.
     ``failures``: the pooled cells failed, with the reasons; ``who_passes``: for each of them,
     the policies of the judged cell that pass it, or the closest one when none does.
@@ -331,7 +331,7 @@ class Judgement:
     worst_inverse_throughput: tuple[float, str]
     failures: list[tuple[str, list[str]]]
     who_passes: list[str]
-    versus_default: tuple[float, float, float] | None
+    versus_default: tuple[float, float, float, float] | None
 
 
 def judge(
@@ -467,18 +467,21 @@ def reach(per_draw: Mapping[int, Sequence[CellResult]], candidates: Sequence[str
     return out
 
 
-def _versus_default(cells: Sequence[CellResult], name: str) -> tuple[float, float, float] | None:
-    """Geometric means of ``name``'s TTFT mean, TTFT p90 and 1 ÷ throughput over the stored
-    default's, over ``cells`` (all policies, pooled)."""
+def _versus_default(
+    cells: Sequence[CellResult], name: str
+) -> tuple[float, float, float, float] | None:
+    """Geometric means of ``name``'s TTFT mean, TTFT p90, 1 ÷ throughput and end-to-end mean
+    over the stored default's, over ``cells`` (all policies, pooled)."""
     if not cells or any(DEFAULT_POLICY not in r.metrics for r in cells):
         return None
-    mean, p90, inverse = [], [], []
+    mean, p90, inverse, e2e = [], [], [], []
     for result in cells:
         mine, default = result.metrics[name], result.metrics[DEFAULT_POLICY]
         mean.append(_ratio(mine.ttft_s["mean"], default.ttft_s["mean"]))
         p90.append(_ratio(mine.ttft_s["p90"], default.ttft_s["p90"]))
         inverse.append(_ratio(default.output_tokens_per_s, mine.output_tokens_per_s))
-    return geometric_mean(mean), geometric_mean(p90), geometric_mean(inverse)
+        e2e.append(_ratio(mine.e2e_s["mean"], default.e2e_s["mean"]))
+    return geometric_mean(mean), geometric_mean(p90), geometric_mean(inverse), geometric_mean(e2e)
 
 
 def _ratio(value: float, reference: float) -> float:
@@ -514,15 +517,17 @@ def against_report(
         f"(`{DEFAULT_POLICY}`, judged the same way in the first rows), never against another "
         "candidate. Pooled: the draws taken together (see `draws.md` of a matrix run). "
         "Geometric means and worst cells are over the pooled cells; throughput as best ÷ this. "
-        "*Against the default*: the geometric means of this policy's TTFT mean, TTFT p90 and "
-        "1÷throughput over the stored default's, cell by cell (below 1: better than it), "
-        "the margins the verdicts do not count.",
+        "*Against the default*: the geometric means of this policy's TTFT mean, TTFT p90, "
+        "1÷throughput and end-to-end mean (arrival to last token, which no verdict judges) "
+        "over the stored default's, cell by cell (below 1: better than it), the margins the "
+        "verdicts do not count.",
         "",
         *_seeds_lines(*seeds),
         "| policy | split | cells | pass, "
         + " / ".join(f"draw {d}" for d in draws)
         + " | pass, pooled | geo mean ratio: TTFT mean / p90 "
-        "| against the default: TTFT mean / p90 / 1÷throughput | worst TTFT mean "
+        "| against the default: TTFT mean / p90 / 1÷throughput / end-to-end mean "
+        "| worst TTFT mean "
         "| worst TTFT p90 | worst 1÷throughput |",
         "|---|---|---:|---|---:|---|---|---|---|---|",
     ]

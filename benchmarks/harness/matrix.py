@@ -528,6 +528,7 @@ class Ratios:
     ttft_p90: float
     ttft_p99: float
     throughput: float
+    e2e_mean: float = math.nan  # end to end (arrival to last token): reported, not judged
 
 
 def cell_ratios(result: CellResult) -> dict[str, Ratios]:
@@ -537,12 +538,14 @@ def cell_ratios(result: CellResult) -> dict[str, Ratios]:
     best_p90 = min(m.ttft_s["p90"] for m in rows.values())
     best_p99 = min(m.ttft_s["p99"] for m in rows.values())
     best_throughput = max(m.output_tokens_per_s for m in rows.values())
+    best_e2e = min(m.e2e_s["mean"] for m in rows.values())
     return {
         name: Ratios(
             _ratio(m.ttft_s["mean"], best_mean),
             _ratio(m.ttft_s["p90"], best_p90),
             _ratio(m.ttft_s["p99"], best_p99),
             _ratio(m.output_tokens_per_s, best_throughput),
+            _ratio(m.e2e_s["mean"], best_e2e),
         )
         for name, m in rows.items()
     }
@@ -754,6 +757,7 @@ class PolicySummary:
     worst_ttft_p90: tuple[float, str]
     worst_ttft_p99: tuple[float, str]
     worst_throughput: tuple[float, str]
+    geo_e2e_mean: float = math.nan
 
 
 def geometric_mean(values: Sequence[float]) -> float:
@@ -790,6 +794,7 @@ def summarize_policies(results: Sequence[CellResult]) -> list[PolicySummary]:
                 worst(lambda r: r.ttft_p90, True),
                 worst(lambda r: r.ttft_p99, True),
                 worst(lambda r: r.throughput, False),
+                geometric_mean([r.e2e_mean for _, r in items]),
             )
         )
     summaries.sort(key=lambda s: s.geo_ttft_mean)
@@ -857,16 +862,17 @@ def markdown_report(
         "## Summary: ratio to the best policy of each cell",
         "",
         "Geometric mean over cells, and the worst cell (TTFT: higher is worse; throughput: "
-        "lower is worse).",
+        "lower is worse). End to end: the mean time from arrival to the last token, which "
+        "the verdicts do not judge.",
         "",
-        "| policy | cells | TTFT mean | TTFT p90 | TTFT p99 | throughput | worst TTFT mean "
-        "| worst TTFT p90 | worst throughput |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| policy | cells | TTFT mean | TTFT p90 | TTFT p99 | throughput | end-to-end mean "
+        "| worst TTFT mean | worst TTFT p90 | worst throughput |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for s in summaries:
         lines.append(
             f"| {s.policy} | {s.cells} | {s.geo_ttft_mean:.3f} | {s.geo_ttft_p90:.3f} "
-            f"| {s.geo_ttft_p99:.3f} | {s.geo_throughput:.3f} "
+            f"| {s.geo_ttft_p99:.3f} | {s.geo_throughput:.3f} | {s.geo_e2e_mean:.3f} "
             f"| {s.worst_ttft_mean[0]:.2f} ({s.worst_ttft_mean[1]}) "
             f"| {s.worst_ttft_p90[0]:.2f} ({s.worst_ttft_p90[1]}) "
             f"| {s.worst_throughput[0]:.2f} ({s.worst_throughput[1]}) |"
@@ -1521,11 +1527,14 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
     per_draw: dict[int, list[CellResult]] = {}
     command = ""
     total_s = 0.0
+    draws = len(paths)
     for path in paths:
         header = _stored_header(path)
         draw, wall_s, command = header["draw"], header["wall_s"], header["command"]
         seeds = header["seeds"]
         results = list(against.load_stored(path, draw, args.quick).values())
+        if len(seeds) > 1:
+            results = _pooled_again(folder, draw, draws, seeds, results, args.quick)
         draw_title = title if path == flat else f"{title}, draw {draw}"
         (path.parent / "matrix.md").write_text(
             markdown_report(draw_title, command, results, wall_s, seeds), encoding="utf-8"
@@ -1547,21 +1556,61 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
         write_json(folder / "draws.json", draws_json(command, per_draw, total_s, seeds))
     if len(seeds) > 1:
         per_seed = {
-            seed: {
-                draw: list(
-                    against.load_stored(
-                        against.stored_matrix_path(folder / f"seed-{seed}", draw, len(per_draw)),
-                        draw,
-                        args.quick,
-                    ).values()
-                )
-                for draw in per_draw
-            }
+            seed: {draw: _stored_seed(folder, seed, draw, draws, args.quick) for draw in per_draw}
             for seed in seeds
         }
         _write_seeds_reports(folder, title, command, per_seed)
     print(f"reports written again from the stored figures: {folder}")
     return EXIT_OK
+
+
+def _stored_seed(folder: Path, seed: int, draw: int, draws: int, quick: bool) -> list[CellResult]:
+    from kv_picker_bench.harness import against
+
+    path = against.stored_matrix_path(folder / f"seed-{seed}", draw, draws)
+    return list(against.load_stored(path, draw, quick).values())
+
+
+def _judged_figures(m: PolicyMetrics) -> tuple[Any, ...]:
+    return (m.ok, m.ttft_s, m.output_tokens_per_s, m.sustained_tokens_per_s, m.makespan_s)
+
+
+def _pooled_again(
+    folder: Path,
+    draw: int,
+    draws: int,
+    seeds: Sequence[int],
+    stored: Sequence[CellResult],
+    quick: bool,
+) -> list[CellResult]:
+    """A draw of a run under several policy seeds, pooled again from its ``seed-N/`` figures.
+
+    Runs written before every figure was pooled kept the first seed's hit ratio, time per
+    output token and end-to-end latency in the pooled draw; pooled again, every figure is the
+    seeds' together. The judged figures (TTFT, throughput, sustained rate) must come out as
+    stored, else the folder's seeds are not its draw's and nothing is rewritten.
+
+    Raises:
+        UsageError: a seed's figures missing or unreadable, or pooling to other judged figures.
+    """
+    per_seed = {seed: _stored_seed(folder, seed, draw, draws, quick) for seed in seeds}
+    again = {result.cell: result for result in pool_seeds(per_seed)}
+    out = []
+    for result in stored:
+        found = again.get(result.cell)
+        if found is None or found.metrics.keys() != result.metrics.keys():
+            raise UsageError(
+                f"--report: the seed-N/ runs of {folder} do not hold every policy of "
+                f"{result.cell.label} in draw {draw}"
+            )
+        for name, metrics in result.metrics.items():
+            if _judged_figures(found.metrics[name]) != _judged_figures(metrics):
+                raise UsageError(
+                    f"--report: {name} on {result.cell.label} (draw {draw}) pools to other "
+                    f"figures from the seed-N/ runs of {folder} than its stored draw holds"
+                )
+        out.append(replace(result, metrics=found.metrics))
+    return out
 
 
 def _plan_on_stored(
@@ -1853,19 +1902,43 @@ def _pooled_sustained(results: Sequence[CellResult], runs: Sequence[PolicyMetric
     return sum(rates) / len(rates)
 
 
+def _pooled_stats(
+    runs: Sequence[PolicyMetrics], stats: Callable[[PolicyMetrics], dict[str, float]]
+) -> dict[str, float]:
+    """Per-request figures over several runs: the mean over every served request, each
+    percentile the mean of the runs' (see :func:`pooled_results`)."""
+    first = stats(runs[0])
+    out = {key: sum(stats(m)[key] for m in runs) / len(runs) for key in first}
+    served = sum(m.ok for m in runs)
+    if served and "mean" in out:
+        out["mean"] = sum(stats(m)["mean"] * m.ok for m in runs) / served
+    return out
+
+
+def _pooled_rate(runs: Sequence[PolicyMetrics], rate: Callable[[PolicyMetrics], float]) -> float:
+    """A per-second figure over several runs: their amounts over their summed makespans."""
+    makespan = sum(m.makespan_s for m in runs)
+    return sum(rate(m) * m.makespan_s for m in runs) / makespan if makespan > 0 else 0.0
+
+
 def pooled_results(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellResult]:
     """Each cell's figures over all its draws, as if the draws had run back to back.
 
     One draw is one sample of a family; a verdict on it carries that sample's noise, and the
     best of eight noisy policies is biased low. Pooled, per policy:
 
-    - TTFT mean: the mean over every served request of every draw (exact);
-    - TTFT p50 / p90 / p99: the mean of the draws' percentiles (the requests themselves are not
-      kept; the union's percentile would differ a little);
-    - output tokens/s: all draws' output tokens over the sum of their makespans (exact);
+    - TTFT, time per output token and end-to-end latency, means: the mean over every served
+      request of every draw (exact);
+    - their p50 / p90 / p99: the mean of the draws' percentiles (the requests themselves are
+      not kept; the union's percentile would differ a little);
+    - output tokens/s and requests/s: all draws' output tokens (requests) over the sum of their
+      makespans (exact);
     - sustained tokens/s: the draws' sustained rates weighted by their arrival windows (each
       draw's requests over its offered rate), so tokens produced while requests arrive over
-      the summed windows; the plain mean where a draw's rate is unknown.
+      the summed windows; the plain mean where a draw's rate is unknown;
+    - hit ratio: the draws' weighted by their served requests (their prompt tokens are not
+      kept); imbalance: the draws' mean; request, error and transfer counts and wall time:
+      summed.
 
     Only cells present in every draw and policies run in every draw are pooled; the floors
     and bounds are the first draw's.
@@ -1880,18 +1953,30 @@ def pooled_results(per_draw: Mapping[int, Sequence[CellResult]]) -> list[CellRes
             runs = [r.metrics[name] for r in results]
             served = sum(m.ok for m in runs)
             makespan = sum(m.makespan_s for m in runs)
-            ttft = {key: sum(m.ttft_s[key] for m in runs) / len(runs) for key in runs[0].ttft_s}
-            if served:
-                ttft["mean"] = sum(m.ttft_s["mean"] * m.ok for m in runs) / served
-            tokens = sum(m.output_tokens_per_s * m.makespan_s for m in runs)
             metrics[name] = replace(
                 runs[0],
                 requests=sum(m.requests for m in runs),
                 ok=served,
-                ttft_s=ttft,
-                output_tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
+                rejected=sum(m.rejected for m in runs),
+                shed=sum(m.shed for m in runs),
+                errors=sum(m.errors for m in runs),
+                ttft_s=_pooled_stats(runs, lambda m: m.ttft_s),
+                tpot_s=_pooled_stats(runs, lambda m: m.tpot_s),
+                e2e_s=_pooled_stats(runs, lambda m: m.e2e_s),
+                output_tokens_per_s=_pooled_rate(runs, lambda m: m.output_tokens_per_s),
+                requests_per_s=_pooled_rate(runs, lambda m: m.requests_per_s),
                 sustained_tokens_per_s=_pooled_sustained(results, runs),
+                hit_ratio=(
+                    sum(m.hit_ratio * m.ok for m in runs) / served
+                    if served
+                    else sum(m.hit_ratio for m in runs) / len(runs)
+                ),
+                imbalance=sum(m.imbalance for m in runs) / len(runs),
+                imbalance_busy=sum(m.imbalance_busy for m in runs) / len(runs),
+                transferred_tokens=sum(m.transferred_tokens for m in runs),
+                transferred_bytes=sum(m.transferred_bytes for m in runs),
                 makespan_s=makespan,
+                wall_s=sum(m.wall_s for m in runs),
             )
         first = results[0]
         pooled.append(

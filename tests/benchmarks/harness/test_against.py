@@ -112,8 +112,8 @@ def test_each_candidate_is_judged_without_the_others_and_without_the_stored_defa
         "TTFT mean worse than gie-default", "TTFT p90 worse than gie-default"])]  # fmt: skip
     assert rows["slow"].who_passes == ["gie-default"]  # judged alone: "fast" is not there
     # The margins against the stored default, which the verdicts do not count.
-    assert rows["fast"].versus_default == pytest.approx((1.0, 1.0, 1.0))
-    assert rows["slow"].versus_default == pytest.approx((2.08, 2.08, 1.0))
+    assert rows["fast"].versus_default == pytest.approx((1.0, 1.0, 1.0, 1.0))
+    assert rows["slow"].versus_default == pytest.approx((2.08, 2.08, 1.0, 2.08))
 
 
 def test_each_seed_alone_counts_the_default_and_each_candidate_on_that_seeds_runs() -> None:
@@ -160,11 +160,13 @@ def test_the_margin_against_the_default_is_a_geometric_mean_over_the_cells() -> 
             ),
         ]
     }
+    first_new = cells[1][0].metrics["new"]
+    first_new.e2e_s = {**first_new.e2e_s, "mean": 4.0}  # end to end: 4 and 0.5
     (row,) = [j for j in judge(cells, "new", ["new"]) if j.split == "all"]
     # TTFT mean: 2 and 0.5; p90: 0.5 and 1; 1/throughput: 2 and 0.5.
-    assert row.versus_default == pytest.approx((1.0, 0.5**0.5, 1.0))
+    assert row.versus_default == pytest.approx((1.0, 0.5**0.5, 1.0, 2**0.5))
     (reference,) = [j for j in judge(cells, "kv-picker", ["new"]) if j.split == "all"]
-    assert reference.versus_default == pytest.approx((1.0, 1.0, 1.0))
+    assert reference.versus_default == pytest.approx((1.0, 1.0, 1.0, 1.0))
     without = {
         1: [cell_result(metrics("gie-default", 3.0, 3.0, 100.0), metrics("new", 2.0, 1.0, 50.0))]
     }

@@ -225,10 +225,14 @@ def test_policy_summaries_take_the_worst_cell() -> None:
             metrics("kv-picker", 3.0, 1.0, 100), metrics("random", 1.0, 1.0, 100), family="rag"
         ),
     ]
+    slow_start = results[1].metrics["kv-picker"]
+    slow_start.e2e_s = {**slow_start.e2e_s, "mean": 1.0}  # its first token late, its answer not
     by_name = {s.policy: s for s in summarize_policies(results)}
     mine = by_name["kv-picker"]
     assert mine.worst_ttft_mean[0] == 3.0 and "rag" in mine.worst_ttft_mean[1]
     assert mine.geo_ttft_mean == pytest.approx(math.sqrt(3.0))
+    assert mine.geo_e2e_mean == pytest.approx(1.0)  # end to end the best in both cells
+    assert by_name["random"].geo_e2e_mean == pytest.approx(math.sqrt(2.0))
     assert by_name["random"].worst_throughput[0] == 0.5
 
 
@@ -264,6 +268,31 @@ def test_pooled_draws_weigh_every_request_and_every_second() -> None:
     assert len(matrix.pooled_results({1: [first], 2: [second, third]})) == 1
     lonely = matrix.pooled_results({1: [first], 2: [cell_result(metrics("kv-picker", 1, 1, 1))]})
     assert list(lonely[0].metrics) == ["kv-picker"]
+
+
+def test_pooled_draws_pool_every_figure_not_only_the_judged_ones() -> None:
+    """End-to-end latency, time per output token, hit ratio and the counts are the draws'
+    together too, not the first draw's (a pooled table shows them next to the TTFT)."""
+    first = cell_result(metrics("kv-picker", 1.0, 2.0, 100.0))
+    second = cell_result(metrics("kv-picker", 1.0, 2.0, 100.0))
+    one, two = first.metrics["kv-picker"], second.metrics["kv-picker"]
+    one.e2e_s = {"mean": 10.0, "p50": 9.0, "p90": 20.0, "p99": 30.0}
+    two.e2e_s = {"mean": 20.0, "p50": 19.0, "p90": 40.0, "p99": 50.0}
+    one.tpot_s = {"mean": 0.01, "p50": 0.01, "p90": 0.02, "p99": 0.03}
+    two.tpot_s = {"mean": 0.03, "p50": 0.03, "p90": 0.04, "p99": 0.05}
+    two.ok, two.makespan_s, two.requests_per_s = 30, 30.0, 1.0
+    one.hit_ratio, two.hit_ratio = 0.2, 0.6
+    one.errors, two.errors, two.rejected = 1, 2, 3
+    one.transferred_tokens, two.transferred_tokens = 5, 7
+    (pooled,) = matrix.pooled_results({1: [first], 2: [second]})
+    row = pooled.metrics["kv-picker"]
+    assert row.e2e_s["mean"] == pytest.approx((10 * 10 + 20 * 30) / 40)
+    assert row.e2e_s["p90"] == pytest.approx(30.0)  # the mean of the draws' p90s
+    assert row.tpot_s["mean"] == pytest.approx((0.01 * 10 + 0.03 * 30) / 40)
+    assert row.tpot_s["p99"] == pytest.approx(0.04)
+    assert row.hit_ratio == pytest.approx((0.2 * 10 + 0.6 * 30) / 40)
+    assert row.requests_per_s == pytest.approx((1.0 * 10 + 1.0 * 30) / 40)
+    assert (row.errors, row.rejected, row.transferred_tokens) == (3, 3, 12)
 
 
 def test_every_family_is_in_one_split_and_pd_only_for_long_prompts() -> None:
@@ -506,6 +535,9 @@ def test_several_policy_seeds_pool_each_cells_runs_as_draws_are_pooled(tmp_path:
         assert pooled["output_tokens_per_s"] == pytest.approx(
             tokens / (a["makespan_s"] + b["makespan_s"]), rel=1e-5
         )
+        e2e = (a["e2e_s"]["mean"] * a["ok"] + b["e2e_s"]["mean"] * b["ok"]) / pooled["ok"]
+        assert pooled["e2e_s"]["mean"] == pytest.approx(e2e, abs=1e-6)
+    assert one["policies"]["random"]["e2e_s"] != both["policies"]["random"]["e2e_s"]
     text = (tmp_path / "0-1" / "matrix.md").read_text()
     assert "Policy seeds 0, 1: every policy ran once per seed" in text
     assert "## The default's verdict under each seed" in (tmp_path / "0-1" / "seeds.md").read_text()
@@ -526,6 +558,21 @@ def test_several_policy_seeds_pool_each_cells_runs_as_draws_are_pooled(tmp_path:
     assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 0
     for path, text in before.items():
         assert path.read_text() == text, path
+    # A draw pooled before every figure was: the first seed's end-to-end latency and hit ratio
+    # next to pooled TTFT. Reported again, they are pooled from the seeds' runs.
+    stored = tmp_path / "0-1" / "matrix.json"
+    old = json.loads(stored.read_text())
+    for key in ("e2e_s", "tpot_s", "hit_ratio"):
+        old["cells"][0]["policies"]["random"][key] = one["policies"]["random"][key]
+    stored.write_text(json.dumps(old))
+    assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 0
+    again = json.loads(stored.read_text())["cells"][0]["policies"]["random"]
+    assert again == both["policies"]["random"]
+    # Seeds that would pool to other judged figures than the draw's are refused, unwritten.
+    old["cells"][0]["policies"]["random"]["ttft_s"] = one["policies"]["random"]["ttft_s"]
+    stored.write_text(json.dumps(old))
+    assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 2
+    assert json.loads(stored.read_text()) == old
 
 
 def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
