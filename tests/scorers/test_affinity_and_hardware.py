@@ -678,6 +678,45 @@ def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_
         assert scores(short, store, request) == pytest.approx([1.0, 0.2 / 1.01])
 
 
+def test_predicted_latency_decode_short_tokens_counts_short_prompts_fewer_steps() -> None:
+    # decodeShortTokens: a prompt shorter than decodeMinPromptTokens counts that many of its
+    # first decode steps where it counted none; a longer one keeps decodeTokens.
+    store, params, request = cached_on_first_of(
+        "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
+    )
+    holder, idle = store.all()
+    store.in_flight_tokens[holder.id] = 190_000
+    # This 10,000-token prompt is short for decodeMinPromptTokens 10,001. Each decode step:
+    # holder 0.01 + 200,000 / 1M = 0.21 s, idle 0.01 + 10,000 / 1M = 0.02 s.
+    short = dataclasses.replace(
+        params, decodeTokens=10, decodeMinPromptTokens=10_001, decodeShortTokens=5
+    )
+    scorer = PredictedLatencyScorer("p", short, make_context(store))
+    assert scorer.decode_s(request, holder) == pytest.approx(5 * 0.21)
+    assert scorer.decode_s(request, idle) == pytest.approx(5 * 0.02)
+    # As is: holder 0.2 + 1.05, idle 1.01 + 0.1.
+    assert scores(scorer, store, request) == pytest.approx([1.11 / 1.25, 1.0])
+    # In excess: holder 0.2 + (1.05 - 0.1), idle 1.01 + 0.
+    excess = PredictedLatencyScorer(
+        "p", dataclasses.replace(short, decodeExcess=True), make_context(store)
+    )
+    assert excess.predict_ttft_s(request, holder) == pytest.approx(0.2)
+    assert scores(excess, store, request) == pytest.approx([1.01 / 1.15, 1.0])
+    # A prompt at decodeMinPromptTokens keeps decodeTokens (10 steps: holder 2.1, idle 0.2).
+    long = PredictedLatencyScorer(
+        "p",
+        dataclasses.replace(short, decodeMinPromptTokens=10_000, decodeExcess=True),
+        make_context(store),
+    )
+    assert scores(long, store, request) == pytest.approx([1.01 / 2.1, 1.0])
+    # Without decodeMinPromptTokens every prompt is long: the option would do nothing.
+    with pytest.raises(ConfigError, match="decodeShortTokens needs decodeMinPromptTokens"):
+        make_scheduler(
+            one_scorer_document("predicted-latency-scorer", {"decodeShortTokens": 8}),
+            make_store(2),
+        )
+
+
 def test_predicted_latency_decode_bound_term_only_while_every_candidate_reads_more_kv() -> None:
     # decodeBoundTokens: while every candidate's decode steps read more KV than weights (in-flight
     # prompt tokens of at least stepSeconds * kvReadTokensPerSecond, 10,000 here), the decode
