@@ -88,7 +88,8 @@ last, at 19.1 s against 18.1 s for the GIE default's whole run. Measured
 and not shipped: on the routing matrix's tuning families (draws 1-3, seeds 0-2), 8 passed the
 default's 122 pooled cells with TTFT mean 0.4% higher and throughput 1.9% higher, 16 passed 125
 with TTFT mean 1.7% and p90 2.6% higher, throughput 2.4% higher and the end-to-end mean 1.2%
-lower (``benchmarks/RESULTS.md`` section 1): the rule that judged them asked for a lower TTFT.
+lower; at 16 it then passed the default's 124 held-out cells and 211 against 215 on draws 73-75,
+which no choice had seen (``benchmarks/RESULTS.md`` section 1): the default does not set it.
 
 ``decodeBoundTokens`` (0: off; needs ``decodeExcess``) counts that many output tokens in the
 decode term, for prompts of at least ``decodeBoundMinPromptTokens`` (0), in place of
