@@ -642,15 +642,23 @@ def test_predicted_latency_queue_progress_counts_the_head_of_the_queue_as_partly
     assert scores(full, store, document)[:2] == pytest.approx([1.0, (0.9 + 0.104) / 3.0])
 
 
-def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_prompts_only() -> (
-    None
-):
-    # The same holder and idle endpoint: 0.2 s per step on the holder, 0.01 s on the idle one.
+def busy_holder():  # type: ignore[no-untyped-def]
+    """Two H100s, the first holding the 10,000-token request whole and decoding 190,000 prompt
+    tokens in flight, the second idle; 0.01 s steps reading 1M KV tokens per second (so a
+    decode step of that request takes 0.21 s on the holder and 0.02 s on the idle one)."""
     store, params, request = cached_on_first_of(
         "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
     )
     holder, idle = store.all()
     store.in_flight_tokens[holder.id] = 190_000
+    return store, params, request, holder, idle
+
+
+def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_prompts_only() -> (
+    None
+):
+    # The same holder and idle endpoint: 0.2 s per step on the holder, 0.01 s on the idle one.
+    store, params, request, holder, idle = busy_holder()
     decode10 = dataclasses.replace(params, decodeTokens=10)
     # As is: holder 0.2 + 2.1, idle 1.01 + 0.2 (the previous test).
     assert scores(
@@ -681,11 +689,7 @@ def test_predicted_latency_decode_excess_counts_what_exceeds_the_least_and_long_
 def test_predicted_latency_decode_short_tokens_counts_short_prompts_fewer_steps() -> None:
     # decodeShortTokens: a prompt shorter than decodeMinPromptTokens counts that many of its
     # first decode steps where it counted none; a longer one keeps decodeTokens.
-    store, params, request = cached_on_first_of(
-        "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
-    )
-    holder, idle = store.all()
-    store.in_flight_tokens[holder.id] = 190_000
+    store, params, request, holder, idle = busy_holder()
     # This 10,000-token prompt is short for decodeMinPromptTokens 10,001. Each decode step:
     # holder 0.01 + 200,000 / 1M = 0.21 s, idle 0.01 + 10,000 / 1M = 0.02 s.
     short = dataclasses.replace(
@@ -722,11 +726,7 @@ def test_predicted_latency_decode_bound_term_only_while_every_candidate_reads_mo
     # prompt tokens of at least stepSeconds * kvReadTokensPerSecond, 10,000 here), the decode
     # term counts that many output tokens from decodeBoundMinPromptTokens; otherwise
     # decodeTokens from decodeMinPromptTokens, as before.
-    store, params, request = cached_on_first_of(
-        "H100", "H100", stepSeconds=0.01, kvReadTokensPerSecond=1_000_000, chunkTokens=100_000
-    )
-    holder, idle = store.all()
-    store.in_flight_tokens[holder.id] = 190_000
+    store, params, request, holder, idle = busy_holder()
     bound = dataclasses.replace(
         params,
         decodeTokens=10,
