@@ -313,8 +313,9 @@ class Judgement:
     geometric means and worst ratios are over the pooled cells (throughput as best ÷ this).
     ``versus_default``: the geometric means over the same cells of this policy's TTFT mean,
     TTFT p90, 1 ÷ throughput and end-to-end mean each divided by the stored default's (below
-    1: better than it; the last is not judged); a verdict counts cells, this says by how much a candidate gains or loses where both
-    pass or both fail. ``None`` when the stored matrix has no default.
+    1: better than it; the last is not judged); a verdict counts cells, this says by how much
+    a candidate gains or loses where both pass or both fail. ``None`` when the stored matrix
+    has no default.
     ``failures``: the pooled cells failed, with the reasons; ``who_passes``: for each of them,
     the policies of the judged cell that pass it, or the closest one when none does.
     """
