@@ -652,17 +652,24 @@ class PredictedLatencyScorer:
         (0 when off; ``decodeShortTokens`` of them for a prompt shorter than
         ``decodeMinPromptTokens``); ``terms`` gives another (output tokens, least prompt
         tokens) pair in their place."""
-        params = self.params
-        count, least = terms or (params.decodeTokens, params.decodeMinPromptTokens)
-        total = prompt_tokens(request, params.charsPerToken)
-        if total < least:
-            count = params.decodeShortTokens
+        count = self.decode_count(request, terms)
         if not count:
             return 0.0
+        params = self.params
+        total = prompt_tokens(request, params.charsPerToken)
         # Its own first decode steps, each reading the KV in flight plus its own.
         speed = self._hardware.of(endpoint.labels).decode_speed
         tokens = self._store.in_flight_tokens[endpoint.id] + total
         return count * (params.stepSeconds + tokens * self._read_s) / speed
+
+    def decode_count(self, request: LLMRequest, terms: tuple[float, float] | None = None) -> float:
+        """The output tokens the decode term counts for ``request``: the terms' (``decodeTokens``
+        by default), or ``decodeShortTokens`` for a prompt shorter than their least."""
+        params = self.params
+        count, least = terms or (params.decodeTokens, params.decodeMinPromptTokens)
+        if prompt_tokens(request, params.charsPerToken) < least:
+            return params.decodeShortTokens
+        return count
 
     def decode_terms(self, candidates: Sequence[Endpoint]) -> tuple[float, float]:
         """The decode term's (output tokens, least prompt tokens): ``decodeBoundTokens``'s
@@ -889,15 +896,12 @@ class PredictedLatencyScorer:
         predictions = [max(self.predict_ttft_s(request, e), _FLOOR_S) for e in candidates]
         params = self.params
         terms = self.decode_terms(candidates) if params.decodeExcess else None
-        if terms is not None:
-            count, least = terms
-            if prompt_tokens(request, params.charsPerToken) < least:
-                count = params.decodeShortTokens
-            if count:  # else (most short prompts) no per-candidate pass: the term is 0
-                decodes = [self.decode_s(request, e, (count, 0.0)) for e in candidates]
-                least_s = min(decodes)
-                for i, decode_s in enumerate(decodes):
-                    predictions[i] += decode_s - least_s
+        # Most short prompts count no decode steps: no per-candidate pass for them.
+        if terms is not None and self.decode_count(request, terms):
+            decodes = [self.decode_s(request, e, terms) for e in candidates]
+            least = min(decodes)
+            for i, decode_s in enumerate(decodes):
+                predictions[i] += decode_s - least
         # saturatedMissCost's q, read once for both terms that use it.
         q = (
             self.saturation(candidates)
