@@ -652,24 +652,22 @@ class PredictedLatencyScorer:
         (0 when off; ``decodeShortTokens`` of them for a prompt shorter than
         ``decodeMinPromptTokens``); ``terms`` gives another (output tokens, least prompt
         tokens) pair in their place."""
-        count = self.decode_count(request, terms)
-        if not count:
-            return 0.0
         params = self.params
         total = prompt_tokens(request, params.charsPerToken)
+        count = self.decode_count(total, terms)
+        if not count:
+            return 0.0
         # Its own first decode steps, each reading the KV in flight plus its own.
         speed = self._hardware.of(endpoint.labels).decode_speed
         tokens = self._store.in_flight_tokens[endpoint.id] + total
         return count * (params.stepSeconds + tokens * self._read_s) / speed
 
-    def decode_count(self, request: LLMRequest, terms: tuple[float, float] | None = None) -> float:
-        """The output tokens the decode term counts for ``request``: the terms' (``decodeTokens``
-        by default), or ``decodeShortTokens`` for a prompt shorter than their least."""
+    def decode_count(self, prompt: float, terms: tuple[float, float] | None = None) -> float:
+        """The output tokens the decode term counts for a prompt of ``prompt`` tokens: the
+        terms' (``decodeTokens`` by default), or ``decodeShortTokens`` below their least."""
         params = self.params
         count, least = terms or (params.decodeTokens, params.decodeMinPromptTokens)
-        if prompt_tokens(request, params.charsPerToken) < least:
-            return params.decodeShortTokens
-        return count
+        return params.decodeShortTokens if prompt < least else count
 
     def decode_terms(self, candidates: Sequence[Endpoint]) -> tuple[float, float]:
         """The decode term's (output tokens, least prompt tokens): ``decodeBoundTokens``'s
@@ -897,7 +895,9 @@ class PredictedLatencyScorer:
         params = self.params
         terms = self.decode_terms(candidates) if params.decodeExcess else None
         # Most short prompts count no decode steps: no per-candidate pass for them.
-        if terms is not None and self.decode_count(request, terms):
+        if terms is not None and self.decode_count(
+            prompt_tokens(request, params.charsPerToken), terms
+        ):
             decodes = [self.decode_s(request, e, terms) for e in candidates]
             least = min(decodes)
             for i, decode_s in enumerate(decodes):
