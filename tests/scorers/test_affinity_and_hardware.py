@@ -396,6 +396,8 @@ def test_predicted_latency_decode_tokens_counts_the_request_own_decode_steps() -
         ("saturatedQueue", "median"),
         ("saturatedQueue", 2),
         ("ownWaitingAtScrape", "yes"),
+        ("decodeShortTokens", -1),
+        ("decodeShortTokens", "some"),
         ("queueProgress", -0.5),
         ("queueProgress", 1.5),
         ("queueProgress", "half"),
