@@ -47,6 +47,7 @@ import multiprocessing
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -2338,6 +2339,149 @@ def self_spreads(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> 
     return rows
 
 
+#: A failure read run by run is decided when the runs' mean log ratio is above the bar's by more
+#: than this many standard errors.
+DECIDED_SE = 2.0
+
+# Each judged figure as a cost (higher: worse), so that a policy's over another's is above 1
+# where it is worse: output throughput enters as its inverse.
+_COSTS: dict[str, Callable[[PolicyMetrics], float]] = {
+    "TTFT mean": lambda m: m.ttft_s["mean"],
+    "TTFT p90": lambda m: m.ttft_s["p90"],
+    "throughput": lambda m: 1.0 / m.output_tokens_per_s if m.output_tokens_per_s > 0 else math.inf,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunByRun:
+    """One figure on which the default fails a pooled cell, read run by run (each policy seed
+    of each draw): the default's cost over ``reference``'s (TTFT, or the reference's throughput
+    over the default's), above 1 where the default is worse.
+
+    Attributes:
+        cell: the cell's label.
+        figure: "TTFT mean", "TTFT p90" or "throughput".
+        reference: the GIE default (bar 1: never worse) or the policy best on the figure in the
+            pooled cell (bar :data:`PASS_RATIO`).
+        bar: the ratio the default must not exceed.
+        pooled: the ratio of the pooled figures (the verdict's).
+        paired: the geometric mean of the runs' ratios.
+        spread: the standard error of the runs' mean log ratio.
+        beyond: the runs whose ratio is above the bar.
+        runs: the runs read (both policies ran, both figures finite and positive).
+    """
+
+    cell: str
+    figure: str
+    reference: str
+    bar: float
+    pooled: float
+    paired: float
+    spread: float
+    beyond: int
+    runs: int
+
+    @property
+    def decided(self) -> bool:
+        """Whether the runs put the default above the bar by more than :data:`DECIDED_SE`
+        standard errors; if not, its runs' own spread could pass the figure."""
+        return math.log(self.paired / self.bar) > DECIDED_SE * self.spread
+
+
+def _best_on(result: CellResult, figure: str) -> str:
+    cost = _COSTS[figure]
+    return min(result.metrics, key=lambda name: cost(result.metrics[name]))
+
+
+def run_by_run(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> list[RunByRun]:
+    """Every figure on which the default fails a cell with the seeds (and draws) pooled, against
+    the policy it fails against, read in each run."""
+    draws = list(next(iter(per_seed.values())))
+    pooled_seeds = {
+        draw: pool_seeds({seed: runs[draw] for seed, runs in per_seed.items()}) for draw in draws
+    }
+    by_cell = [{r.cell: r for r in runs[draw]} for runs in per_seed.values() for draw in draws]
+    rows = []
+    for result in _judged_pooled(pooled_seeds):
+        verdict = default_verdict(result)
+        if verdict is None or verdict.passed:
+            continue
+        ours = result.metrics[DEFAULT_POLICY]
+        failures = [
+            (figure, _best_on(result, figure), PASS_RATIO)
+            for figure, cost in _COSTS.items()
+            if cost(ours) > PASS_RATIO * cost(result.metrics[_best_on(result, figure)])
+        ]
+        failures += [(f, GIE_DEFAULT, 1.0) for f in trails_gie_default(result, DEFAULT_POLICY)]
+        for figure, reference, bar in failures:
+            cost = _COSTS[figure]
+            logs = []
+            for cells in by_cell:
+                run = cells.get(result.cell)
+                if run is None or reference not in run.metrics or DEFAULT_POLICY not in run.metrics:
+                    continue
+                mine, theirs = cost(run.metrics[DEFAULT_POLICY]), cost(run.metrics[reference])
+                if 0.0 < mine < math.inf and 0.0 < theirs < math.inf:
+                    logs.append(math.log(mine / theirs))
+            if len(logs) < 2:
+                continue
+            rows.append(
+                RunByRun(
+                    result.cell.label,
+                    figure,
+                    reference,
+                    bar,
+                    _ratio(cost(ours), cost(result.metrics[reference])),
+                    math.exp(statistics.fmean(logs)),
+                    statistics.stdev(logs) / math.sqrt(len(logs)),
+                    sum(x > math.log(bar) for x in logs),
+                    len(logs),
+                )
+            )
+    return rows
+
+
+def _run_by_run_lines(rows: Sequence[RunByRun], several: bool) -> list[str]:
+    cells = len({row.cell for row in rows})
+    decided = [row for row in rows if row.decided]
+    lines = [
+        "## The default's failures, run by run",
+        "",
+        f"Each figure on which the default fails a cell with the seeds"
+        f"{' and draws' if several else ''} pooled ({len(rows)} "
+        f"figures in {cells} cells), read in each run (one seed of one draw): the default's "
+        "figure over the reference policy's, the GIE default's (bar 1: never worse) or the "
+        f"best policy's on that figure in the pooled cell (bar {PASS_RATIO}), throughput as the "
+        "reference's over the default's, so that above 1 is worse. *Paired*: the geometric "
+        "mean of the runs' ratios, ± the standard error of its logarithm; *beyond the bar*: "
+        f"the runs above the bar; *decided*: the paired ratio is above the bar by more than "
+        f"{DECIDED_SE:g} standard errors. A failure not decided is within the runs' own "
+        "spread: other tie-breaks and draws of the same policy could pass it. The runs of one "
+        "draw replay the same requests, so the standard error counts them as more independent "
+        "than they are, which makes a failure look decided sooner, not later.",
+        "",
+        f"{len(decided)} of the {len(rows)} figures are decided, in "
+        f"{len({row.cell for row in decided})} cells; the other "
+        f"{len(rows) - len(decided)} are within the runs' spread.",
+        "",
+    ]
+    if not rows:
+        return lines
+    lines += [
+        "| cell | split | figure | against | bar | pooled | paired | beyond the bar | decided |",
+        "|---|---|---|---|---:|---:|---|---:|---|",
+    ]
+    for row in rows:
+        family = row.cell.split(" / ", 1)[0]
+        lines.append(
+            f"| {row.cell} | {FAMILIES[family].split} | {row.figure} | {row.reference} "
+            f"| {row.bar:g} | {row.pooled:.4f} | {row.paired:.4f} ± {row.spread:.2%} "
+            f"| {row.beyond} of {row.runs} | {'yes' if row.decided else 'no'} |"
+        )
+    lines.append("")
+    return lines
+
+
 def seeds_report(
     title: str, command: str, per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]
 ) -> str:
@@ -2389,6 +2533,7 @@ def seeds_report(
             family = label.split(" / ", 1)[0]
             lines.append(f"| {label} | {FAMILIES[family].split} | {', '.join(failing)} |")
         lines.append("")
+    lines += _run_by_run_lines(run_by_run(per_seed), several)
     lines += [
         "## Each policy against itself",
         "",
@@ -2421,4 +2566,5 @@ def seeds_json(
         "draws": list(next(iter(per_seed.values()))),
         "verdicts": [_slots(row) for row in seed_verdicts(per_seed)],
         "self_spread": [_slots(row) for row in self_spreads(per_seed)],
+        "run_by_run": [{**_slots(row), "decided": row.decided} for row in run_by_run(per_seed)],
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -573,6 +574,54 @@ def test_several_policy_seeds_pool_each_cells_runs_as_draws_are_pooled(tmp_path:
     stored.write_text(json.dumps(old))
     assert matrix.main(["--report", str(tmp_path / "0-1"), "--quick", "--no-plots"]) == 2
     assert json.loads(stored.read_text()) == old
+
+
+def test_a_failure_read_run_by_run_is_decided_only_beyond_the_runs_spread() -> None:
+    """Two seeds, two draws: a default 2-3% slower than the GIE default in every run fails a
+    decided figure; one whose pooled mean trails by 1% while it leads in three runs of four does
+    not; a throughput 20% under the best policy's in every run is decided against that policy
+    and its 5% bar. Cells the default passes are not read."""
+    chat = [1.02, 1.03, 1.02, 1.03]  # the default's TTFT mean per run; the GIE default's is 1.0
+    rag = [1.3, 0.9, 0.9, 0.95]
+    runs = iter(range(4))
+
+    def draw() -> list[CellResult]:
+        i = next(runs)
+        return [
+            cell_result(metrics("kv-picker", chat[i], 2.0, 100.0),
+                        metrics("gie-default", 1.0, 2.0, 100.0)),
+            cell_result(metrics("kv-picker", rag[i], 2.0, 100.0),
+                        metrics("gie-default", 1.0, 2.0, 100.0), family="rag"),
+            cell_result(metrics("kv-picker", 1.0, 2.0, 80.0),
+                        metrics("gie-default", 1.0, 2.0, 80.0),
+                        metrics("round-robin", 1.0, 2.0, 100.0), family="lora"),
+            cell_result(metrics("kv-picker", 1.0, 2.0, 100.0),
+                        metrics("gie-default", 1.0, 2.0, 100.0), family="agentic"),
+        ]  # fmt: skip
+
+    per_seed = {0: {1: draw(), 2: draw()}, 1: {1: draw(), 2: draw()}}
+    rows = {row.cell.split(" / ")[0]: row for row in matrix.run_by_run(per_seed)}
+    assert set(rows) == {"chat", "rag", "lora"}
+    assert rows["chat"].reference == "gie-default" and rows["chat"].bar == 1.0
+    assert rows["chat"].pooled == pytest.approx(1.025)
+    assert rows["chat"].beyond == 4 and rows["chat"].runs == 4 and rows["chat"].decided
+    assert rows["rag"].pooled == pytest.approx(1.0125)  # fails pooled ...
+    assert rows["rag"].beyond == 1 and not rows["rag"].decided  # ... within its runs' spread
+    logs = [math.log(x) for x in rag]
+    assert math.log(rows["rag"].paired) == pytest.approx(sum(logs) / 4)
+    assert rows["rag"].spread == pytest.approx(statistics.stdev(logs) / 2)
+    lora = rows["lora"]
+    assert (lora.figure, lora.reference, lora.bar) == ("throughput", "round-robin", 1.05)
+    assert lora.pooled == pytest.approx(1.25) and lora.paired == pytest.approx(1.25)
+    assert lora.decided
+    text = matrix.seeds_report("t", "cmd", per_seed)
+    assert "2 of the 3 figures are decided, in 2 cells; the other 1 are within" in text
+    assert "| rag / 0.6 / small4 / llama-3.1-8b-h100 | held-out | TTFT mean | gie-default | 1 " in (
+        text
+    )
+    assert "| 1 of 4 | no |" in text
+    stored = matrix.seeds_json("cmd", per_seed)["run_by_run"]
+    assert [row["decided"] for row in stored] == [True, False, True]
 
 
 def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
