@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +196,13 @@ def stored_seed_paths(
 class SeedCounts:
     """Cells passed under one policy seed alone, over every cell: ``counts`` maps each policy
     (the stored default first, then the candidates) to its count with the draws pooled and its
-    counts per draw."""
+    counts per draw; ``versus`` each candidate's margins against the stored default on that
+    seed's runs (as :attr:`Judgement.versus_default`, over every cell with the draws pooled), so
+    a margin's sign can be read seed by seed."""
 
     seed: int
     counts: dict[str, tuple[int, list[int]]]
+    versus: dict[str, tuple[float, float, float, float] | None] = field(default_factory=dict)
 
 
 def per_seed_counts(
@@ -210,10 +213,13 @@ def per_seed_counts(
     out = []
     for seed, per_draw in per_seed_draw.items():
         counts = {}
+        versus = {}
         for name in [DEFAULT_POLICY, *candidates]:
             (whole,) = [j for j in judge(per_draw, name, candidates) if j.split == "all"]
             counts[name] = (whole.pooled, whole.passed)
-        out.append(SeedCounts(seed, counts))
+            if name != DEFAULT_POLICY:
+                versus[name] = whole.versus_default
+        out.append(SeedCounts(seed, counts, versus))
     return out
 
 
@@ -587,6 +593,26 @@ def _per_seed_lines(per_seed: Sequence[SeedCounts]) -> list[str]:
             f" {name}: more pooled cells than the default under {more} of {len(diffs)} seeds, "
             f"fewer under {fewer} (differences {', '.join(f'{d:+d}' for d in diffs)})."
         )
+    if len(names) > 1:
+        lines += [
+            "",
+            "Against the default under each seed: each candidate's TTFT mean / p90 / "
+            "1÷throughput / end-to-end mean over the stored default's on that seed's runs, "
+            "geometric means over every cell with the draws pooled (below 1: better). A margin "
+            "whose sign changes from seed to seed is the tie-breaks', not the candidate's.",
+            "",
+            "| seed | " + " | ".join(names[1:]) + " |",
+            "|---:|" + "---|" * (len(names) - 1),
+        ]
+        for row in per_seed:
+            margins = [row.versus.get(name) for name in names[1:]]
+            lines.append(
+                f"| {row.seed} | "
+                + " | ".join(
+                    "n/a" if m is None else " / ".join(f"{x:.4f}" for x in m) for m in margins
+                )
+                + " |"
+            )
     return lines
 
 
@@ -674,7 +700,11 @@ def against_json(
             else {
                 "per_seed": {
                     str(row.seed): {
-                        name: {"pooled": pooled, "passed": passed}
+                        name: {
+                            "pooled": pooled,
+                            "passed": passed,
+                            **({"versus_default": row.versus[name]} if name in row.versus else {}),
+                        }
                         for name, (pooled, passed) in row.counts.items()
                     }
                     for row in per_seed

@@ -15,6 +15,7 @@ import yaml
 from kv_picker.config import DEFAULT_PLUGINS, DEFAULT_PROFILE
 from kv_picker_bench.harness import matrix
 from kv_picker_bench.harness.against import (
+    against_json,
     against_report,
     candidate_runs,
     judge,
@@ -135,6 +136,12 @@ def test_each_seed_alone_counts_the_default_and_each_candidate_on_that_seeds_run
         (1, {"kv-picker": (1, [1]), "cand": (1, [1])}),
         (2, {"kv-picker": (1, [1]), "cand": (0, [0])}),
     ]
+    # The margins against the default, seed by seed: 0.75, 1 and 1.33 on the TTFT figures.
+    assert [r.versus["cand"] for r in rows] == [
+        pytest.approx((0.75, 0.75, 1.0, 0.75)),
+        pytest.approx((1.0, 1.0, 1.0, 1.0)),
+        pytest.approx((4 / 3, 4 / 3, 1.0, 4 / 3)),
+    ]
     text = against_report("t", "c", "f", [], [1], None, ((0, 1, 2), (0, 1, 2)), rows)
     assert "| 0 | 0 (0) | 1 (1) |" in text and "| 2 | 1 (1) | 0 (0) |" in text
     assert "The default's pooled count ranges over 0–1." in text
@@ -142,6 +149,13 @@ def test_each_seed_alone_counts_the_default_and_each_candidate_on_that_seeds_run
         "cand: more pooled cells than the default under 1 of 3 seeds, fewer under 1 "
         "(differences +1, +0, -1)." in text
     )
+    assert "| 0 | 0.7500 / 0.7500 / 1.0000 / 0.7500 |" in text
+    assert "| 2 | 1.3333 / 1.3333 / 1.0000 / 1.3333 |" in text
+    stored = against_json("c", "f", [], {}, ["cand"], None, ((0, 1, 2), (0, 1, 2)), rows)
+    assert stored["per_seed"]["2"]["cand"]["versus_default"] == pytest.approx(
+        (4 / 3, 4 / 3, 1.0, 4 / 3)
+    )
+    assert "versus_default" not in stored["per_seed"]["2"]["kv-picker"]
 
 
 def test_the_margin_against_the_default_is_a_geometric_mean_over_the_cells() -> None:
@@ -469,7 +483,9 @@ def test_candidates_run_under_the_stored_matrixs_policy_seeds(tmp_path: Path) ->
     for verdict in verdicts:
         row = per_seed[str(verdict["seed"])]
         expected = {"pooled": verdict["passed_pooled"], "passed": verdict["passed"]}
-        assert row["kv-picker"] == row["same"] == expected
+        assert row["kv-picker"] == expected
+        # A copy of the default is level with it under every seed.
+        assert row["same"] == dict(expected, versus_default=[1.0, 1.0, 1.0, 1.0])
     text = (out / "against.md").read_text()
     assert "## Each policy seed alone" in text
     assert "same: more pooled cells than the default under 0 of 2 seeds, fewer under 0" in text
