@@ -1451,7 +1451,8 @@ def _write_summaries(
     seeds = list(per_seed)
     text = ""
     if len(per_draw) > 1:
-        text = draws_report(title, command, per_draw, seeds)
+        runs = run_by_run(per_seed) if len(seeds) > 1 else None
+        text = draws_report(title, command, per_draw, seeds, runs)
         wall_s = time.perf_counter() - started
         text += f"\nWall time of all draws: {wall_s:.1f} s.\n"
         (folder / "draws.md").write_text(text, encoding="utf-8")
@@ -1549,17 +1550,20 @@ def _rewrite_reports(args: argparse.Namespace) -> int:
             plot_policy_ratios(summarize_policies(results), path.parent / "policy_ratios.png")
         per_draw[draw] = results
         total_s += wall_s
-    if path != flat:
-        total_s = _stored_total_wall(folder, total_s)
-        text = draws_report(title, command, per_draw, seeds)
-        text += f"\nWall time of all draws: {total_s:.1f} s.\n"
-        (folder / "draws.md").write_text(text, encoding="utf-8")
-        write_json(folder / "draws.json", draws_json(command, per_draw, total_s, seeds))
+    per_seed = None
     if len(seeds) > 1:
         per_seed = {
             seed: {draw: _stored_seed(folder, seed, draw, draws, args.quick) for draw in per_draw}
             for seed in seeds
         }
+    if path != flat:
+        total_s = _stored_total_wall(folder, total_s)
+        runs = None if per_seed is None else run_by_run(per_seed)
+        text = draws_report(title, command, per_draw, seeds, runs)
+        text += f"\nWall time of all draws: {total_s:.1f} s.\n"
+        (folder / "draws.md").write_text(text, encoding="utf-8")
+        write_json(folder / "draws.json", draws_json(command, per_draw, total_s, seeds))
+    if per_seed is not None:
         _write_seeds_reports(folder, title, command, per_seed)
     print(f"reports written again from the stored figures: {folder}")
     return EXIT_OK
@@ -2038,8 +2042,11 @@ def draws_report(
     command: str,
     per_draw: Mapping[int, Sequence[CellResult]],
     seeds: Sequence[int] = (0,),
+    runs: Sequence[RunByRun] | None = None,
 ) -> str:
-    """Markdown: the default's verdicts across draws, per family, and each draw's summary."""
+    """Markdown: the default's verdicts across draws, per family, and each draw's summary;
+    with ``runs`` (:func:`run_by_run` of a run under several seeds), whether each failed cell's
+    runs decide its failure."""
     draws = list(per_draw)
     rows = family_draws(per_draw)
     lines = [
@@ -2122,11 +2129,21 @@ def draws_report(
             "default's. *Why no policy passes*: the policies within 5% of the best TTFT mean and "
             "p90, with their throughput, against those within 5% of the best throughput, with "
             "their TTFT mean / p90 (two of each, the closest first); or, where some policy is "
-            "within 5% of every best, what it trails the GIE default on.",
+            "within 5% of every best, what it trails the GIE default on."
+            + (
+                ""
+                if runs is None
+                else " *Decided by the runs*: the figures on which the default's runs (each seed "
+                "of each draw) put it above the bar by more than two standard errors, each "
+                "against the policy it fails against (`seeds.md`, \"The default's failures, run "
+                "by run\"; throughput as the reference's over the default's, so above 1 is worse); *no* "
+                "where every failing figure is within the runs' own spread."
+            ),
             "",
             "| cell | split | why | against gie-default | policies that pass "
-            "| the default's worst ratio | why no policy passes |",
-            "|---|---|---|---|---|---:|---|",
+            "| the default's worst ratio | why no policy passes |"
+            + ("" if runs is None else " decided by the runs |"),
+            "|---|---|---|---|---|---:|---|" + ("" if runs is None else "---|"),
         ]
         for result, verdict in failed:
             ours = worst_judged_ratio(cell_ratios(result)[DEFAULT_POLICY])
@@ -2137,10 +2154,24 @@ def draws_report(
                 else f"{versus.ttft_mean:.3f} / {versus.ttft_p90:.3f} / "
                 f"{versus.throughput:.4f} ({versus.sustained:.4f})"
             )
+            decided = ""
+            if runs is not None:
+                found = [r for r in runs if r.cell == result.cell.label and r.decided]
+                decided = (
+                    " "
+                    + (
+                        "; ".join(
+                            f"{r.figure} against {r.reference} ({r.paired:.3f} ± {r.spread:.1%})"
+                            for r in found
+                        )
+                        or "no"
+                    )
+                    + " |"
+                )
             lines.append(
                 f"| {result.cell.label} | {FAMILIES[result.cell.family].split} "
                 f"| {'; '.join(verdict.reasons)} | {against} | {describe_passing(result)} "
-                f"| {ours:.2f}x | {why_nobody_passes(result) or '–'} |"
+                f"| {ours:.2f}x | {why_nobody_passes(result) or '–'} |" + decided
             )
     lines += [
         "",

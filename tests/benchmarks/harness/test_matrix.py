@@ -622,6 +622,16 @@ def test_a_failure_read_run_by_run_is_decided_only_beyond_the_runs_spread() -> N
     assert "| 1 of 4 | no |" in text
     stored = matrix.seeds_json("cmd", per_seed)["run_by_run"]
     assert [row["decided"] for row in stored] == [True, False, True]
+    # The draws' report marks each failed cell with what its runs decide.
+    per_draw = {d: matrix.pool_seeds({s: per_seed[s][d] for s in per_seed}) for d in (1, 2)}
+    table = matrix.draws_report("t", "cmd", per_draw, [0, 1], matrix.run_by_run(per_seed))
+    rows_md = {line.split(" / ")[0]: line for line in table.splitlines() if "/ small4 /" in line}
+    assert rows_md["| chat"].endswith(f"| TTFT mean against gie-default ({rows['chat'].paired:.3f} ± "
+                                      f"{rows['chat'].spread:.1%}) |")  # fmt: skip
+    assert rows_md["| rag"].endswith("| no |")
+    assert rows_md["| lora"].endswith("| throughput against round-robin (1.250 ± 0.0%) |")
+    assert "decided by the runs |" in table
+    assert "decided by the runs" not in matrix.draws_report("t", "cmd", per_draw, [0, 1])
 
 
 def test_the_seeds_report_tells_the_verdicts_the_seed_decides() -> None:
