@@ -17,8 +17,9 @@ here on the stored default is the stored verdict.
 With several policy seeds, and the stored matrix's own runs of each seed kept beside its pooled
 figures (``DIR/seed-N/draw-M/``, as a matrix run with several ``--seed`` writes them), each
 seed is also judged alone: that seed's stored runs with the candidates' runs under the same
-seed (:func:`per_seed_counts`). A pooled count moves by a few cells from seed to seed; the
-per-seed rows compare a candidate with the default under the same tie-breaks, seed by seed.
+seed (:func:`per_seed_counts`), with each candidate's margins against the default on that
+seed's runs. A pooled count moves by a few cells from seed to seed; the per-seed rows compare a
+candidate with the default under the same tie-breaks, seed by seed.
 
 The traces must be the ones the stored matrix replayed: every family's generator spec (and the
 conversation window) is compared with the stored one, and a difference (another
