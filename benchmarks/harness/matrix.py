@@ -2134,10 +2134,11 @@ def draws_report(
                 ""
                 if runs is None
                 else " *Decided by the runs*: the figures on which the default's runs (each seed "
-                "of each draw) put it above the bar by more than two standard errors, each "
-                "against the policy it fails against (`seeds.md`, \"The default's failures, run "
-                "by run\"; throughput as the reference's over the default's, so above 1 is worse); *no* "
-                "where every failing figure is within the runs' own spread."
+                f"of each draw) put it above the bar by more than {DECIDED_SE:g} standard "
+                "errors, each against the policy it fails against (`seeds.md`, \"The default's "
+                "failures, run by run\"; throughput as the reference's over the default's, so "
+                "above 1 is worse); *no* where every failing figure is within the runs' own "
+                "spread."
             ),
             "",
             "| cell | split | why | against gie-default | policies that pass "
@@ -2154,20 +2155,7 @@ def draws_report(
                 else f"{versus.ttft_mean:.3f} / {versus.ttft_p90:.3f} / "
                 f"{versus.throughput:.4f} ({versus.sustained:.4f})"
             )
-            decided = ""
-            if runs is not None:
-                found = [r for r in runs if r.cell == result.cell.label and r.decided]
-                decided = (
-                    " "
-                    + (
-                        "; ".join(
-                            f"{r.figure} against {r.reference} ({r.paired:.3f} ± {r.spread:.1%})"
-                            for r in found
-                        )
-                        or "no"
-                    )
-                    + " |"
-                )
+            decided = "" if runs is None else f" {_decided_by_runs(runs, result.cell.label)} |"
             lines.append(
                 f"| {result.cell.label} | {FAMILIES[result.cell.family].split} "
                 f"| {'; '.join(verdict.reasons)} | {against} | {describe_passing(result)} "
@@ -2470,6 +2458,18 @@ def run_by_run(per_seed: Mapping[int, Mapping[int, Sequence[CellResult]]]) -> li
                 )
             )
     return rows
+
+
+def _decided_by_runs(runs: Sequence[RunByRun], cell: str) -> str:
+    """The figures of ``cell`` its runs decide, each with its reference and paired ratio, or
+    "no"."""
+    found = [r for r in runs if r.cell == cell and r.decided]
+    return (
+        "; ".join(
+            f"{r.figure} against {r.reference} ({r.paired:.3f} ± {r.spread:.1%})" for r in found
+        )
+        or "no"
+    )
 
 
 def _run_by_run_lines(rows: Sequence[RunByRun], several: bool) -> list[str]:
